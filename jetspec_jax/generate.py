@@ -1,0 +1,203 @@
+"""Host-side text generation API and CLI.
+
+    python -m jetspec_jax.generate "What is 7 * 8?"
+
+Prompts go through the tokenizer's chat template (non-thinking), run through the jitted generator
+in one device call, and come back as texts and token ids with timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
+from jetspec_jax.sampling import SamplingConfig
+from jetspec_jax.target import Target, load_target
+
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, bounding the number of compilations
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]  # generated tokens, up to and including EOS
+    prompt_token_ids: list[list[int]]
+    compile_seconds: float  # 0 when a compiled program for these shapes was reused
+    generate_seconds: float  # prefill + decode, device time of the generation call
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated / self.generate_seconds if self.generate_seconds > 0 else float("nan")
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], *, chat: bool = True,
+                   system_prompt: str | None = None) -> list[list[int]]:
+    if tokenizer is None:
+        raise ValueError("this target has no tokenizer; pass token ids to generate_tokens instead")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt {i} is empty; give a non-empty question or instruction")
+        if chat:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+            messages.append({"role": "user", "content": prompt})
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                enable_thinking=False)
+            if hasattr(ids, "input_ids") or isinstance(ids, dict):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        encoded.append([int(t) for t in ids])
+    return encoded
+
+
+def pad_prompts(prompt_ids: Sequence[Sequence[int]], pad_id: int,
+                bucket: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads to a multiple of `bucket`; returns (tokens (B, P), lengths (B,))."""
+    if not prompt_ids:
+        raise ValueError("no prompts given")
+    lengths = np.array([len(p) for p in prompt_ids], np.int32)
+    if (lengths == 0).any():
+        raise ValueError(f"prompt(s) {np.flatnonzero(lengths == 0).tolist()} have no tokens")
+    width = int(-(-lengths.max() // bucket) * bucket)
+    tokens = np.full((len(prompt_ids), width), pad_id, np.int32)
+    for i, p in enumerate(prompt_ids):
+        tokens[i, : len(p)] = p
+    return tokens, lengths
+
+
+def plan_cache_len(prompt_width: int, longest_prompt: int, max_new_tokens: int, max_positions: int,
+                   max_cache_len: int | None = None, extra: int = 0) -> int:
+    """Cache rows for a batch: the padded prompt, the new tokens and `extra` scratch rows (a draft
+    tree), rounded up to 64. Raises if the prompt and new tokens cannot fit."""
+    needed = longest_prompt + max_new_tokens + extra
+    if needed > max_positions:
+        raise ValueError(
+            f"prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}) + {extra} scratch "
+            f"exceeds the model's {max_positions} positions; shorten the prompt or lower max_new_tokens")
+    cache_len = -(-max(prompt_width, needed) // 64) * 64
+    if max_cache_len is not None:
+        if needed > max_cache_len:
+            raise ValueError(
+                f"prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}) + {extra} scratch "
+                f"does not fit max_cache_len={max_cache_len}; raise max_cache_len or shorten the prompt")
+        cache_len = max(max_cache_len, prompt_width)
+    return cache_len
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def compiled_call(fn, args: tuple, static: dict[str, Any]):
+    """Runs a jitted function through an explicitly compiled executable, cached by shapes and static
+    arguments, so compile time and run time are reported separately. Returns (out, compile_s, run_s)."""
+    signature = (fn, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
+                 jax.tree.structure(args), tuple(sorted(static.items())))
+    compile_s = 0.0
+    if signature not in _COMPILED:
+        t0 = time.perf_counter()
+        _COMPILED[signature] = fn.lower(*args, **static).compile()
+        compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(_COMPILED[signature](*args))
+    return out, compile_s, time.perf_counter() - t0
+
+
+def stop_tokens(target: Target) -> tuple[int, ...]:
+    ids = set(target.cfg.eos_token_ids)
+    tok = target.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def pad_token(target: Target) -> int:
+    tok = target.tokenizer
+    if tok is not None and tok.pad_token_id is not None:
+        return int(tok.pad_token_id)
+    return next(iter(stop_tokens(target)), 0)
+
+
+def trim_generated(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    return [tokens[i, : counts[i]].tolist() for i in range(tokens.shape[0])]
+
+
+def decode_texts(tokenizer, token_ids: list[list[int]]) -> list[str]:
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
+
+
+def generate(prompts: Sequence[str] | str, target: Target | None = None, *, max_new_tokens: int = 256,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             chat: bool = True, system_prompt: str | None = None,
+             max_cache_len: int | None = None) -> GenerationResult:
+    """Autoregressive generation for a batch of prompts (greedy when temperature == 0)."""
+    target = load_target() if target is None else target
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompt_ids = encode_prompts(target.tokenizer, prompts, chat=chat, system_prompt=system_prompt)
+    tokens, lengths = pad_prompts(prompt_ids, pad_token(target))
+    cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
+                               target.cfg.max_position_embeddings, max_cache_len)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens,
+                           sampling=SamplingConfig(temperature, top_k, top_p),
+                           eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
+    out, compile_s, run_s = compiled_call(
+        generate_tokens, (target.params, tokens, lengths, jax.random.key(seed)),
+        dict(cfg=target.cfg, gen=gen, cache_len=cache_len))
+    generated = trim_generated(np.asarray(out.tokens), np.asarray(out.num_tokens))
+    return GenerationResult(texts=decode_texts(target.tokenizer, generated), token_ids=generated,
+                            prompt_token_ids=prompt_ids, compile_seconds=compile_s, generate_seconds=run_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jetspec_jax.generate",
+                                description="Generate answers with the target model (default: the "
+                                            "embedded SmolLM2-135M-Instruct). The answer is printed "
+                                            "when generation ends; the whole loop runs on device.")
+    p.add_argument("prompts", nargs="+", help="one or more questions; several run as one batch")
+    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory "
+                                                 "(default: $JETSPEC_TARGET or the embedded model)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system", default=None, help="system prompt for the chat template")
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="weights/activations (default: bf16 on GPU, fp32 on CPU)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        target = load_target(args.model, dtype=args.dtype)
+        result = generate(args.prompts, target, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, chat=not args.no_chat, system_prompt=args.system)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, text in zip(args.prompts, result.texts):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        print(text.strip())
+    print(f"[{jax.default_backend()}] {result.num_generated} tokens in {result.generate_seconds:.2f} s "
+          f"= {result.tokens_per_second:.1f} tok/s (compile {result.compile_seconds:.1f} s, "
+          f"batch {len(args.prompts)}, autoregressive)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

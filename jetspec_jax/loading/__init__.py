@@ -1,0 +1,1 @@
+"""Checkpoint loaders: local Hugging Face directories and GGUF files, driven by rule tables."""

@@ -1,0 +1,411 @@
+"""Qwen3-family decoder (Qwen3 dense, Qwen3-MoE, Llama/SmolLM layout) as pure JAX functions.
+
+One forward serves prefill, decode and tree verification: it takes a block of query tokens with
+explicit positions and an explicit block mask, attends to the cached prefix plus the block, and
+returns logits, the hidden states of requested layers ("taps") and the cache with the block written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jetspec_jax.kv_cache import KVCache, write_block
+from jetspec_jax.models.params import ParamSpec
+
+SUPPORTED_HF_ARCHITECTURES = {
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "llama": "llama",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static model description; hashable so it can be a jit static argument."""
+
+    architecture: str  # "qwen3" | "qwen3_moe" | "llama"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # sorted items of an HF rope dict
+    qk_norm: bool = True
+    attention_bias: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    # Mixture of experts (Qwen3-MoE); moe_layers lists the layers whose MLP is sparse.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        problems = []
+        if self.architecture not in SUPPORTED_HF_ARCHITECTURES.values():
+            problems.append(f"architecture {self.architecture!r} is not one of "
+                            f"{sorted(set(SUPPORTED_HF_ARCHITECTURES.values()))}")
+        if self.num_heads % max(self.num_kv_heads, 1):
+            problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts):
+            problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                            f"{self.num_experts}")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def rope_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> "Config":
+        """From a Hugging Face config.json dict (Qwen3, Qwen3-MoE, Llama/SmolLM)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_HF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} in config.json; supported: "
+                f"{sorted(SUPPORTED_HF_ARCHITECTURES)}")
+        arch = SUPPORTED_HF_ARCHITECTURES[model_type]
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported (no Qwen3-family checkpoint uses it)")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        if hf.get("rope_scaling"):
+            rope.update(hf["rope_scaling"])
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope.pop("type", None)
+        rope["rope_type"] = rope_type
+        rope_scaling = None if rope_type == "default" else tuple(sorted(rope.items()))
+        num_layers = hf["num_hidden_layers"]
+        moe_layers: tuple[int, ...] = ()
+        num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        if arch == "qwen3_moe" and num_experts > 0:
+            step = hf.get("decoder_sparse_step", 1) or 1
+            dense_only = set(hf.get("mlp_only_layers") or [])
+            moe_layers = tuple(i for i in range(num_layers)
+                               if i not in dense_only and (i + 1) % step == 0)
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=hf.get("intermediate_size", 0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            num_experts=num_experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # transformers' default
+            moe_layers=moe_layers,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], has_output_tensor: bool) -> "Config":
+        """From GGUF metadata (llama, qwen3, qwen3moe); `meta` maps keys to decoded values."""
+        gguf_arch = meta.get("general.architecture")
+        arch_map = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+        if gguf_arch not in arch_map:
+            raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {sorted(arch_map)}")
+        arch = arch_map[gguf_arch]
+
+        def get(key, default=None):
+            return meta.get(f"{gguf_arch}.{key}", default)
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        num_layers = int(get("block_count"))
+        vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        num_experts = int(get("expert_count", 0) or 0)
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        rope_scaling = None
+        if get("rope.scaling.type") not in (None, "none"):
+            raise ValueError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            intermediate_size=int(get("feed_forward_length", 0) or 0),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            tie_embeddings=not has_output_tensor,
+            max_position_embeddings=int(get("context_length", 32768)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(get("expert_used_count", 0) or 0),
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(num_layers)) if num_experts else (),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+
+
+def param_specs(cfg: Config) -> dict[str, Any]:
+    """Every weight's shape and logical axes. Matrices are stored (in, out): y = x @ w."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def layer(i: int) -> dict[str, ParamSpec]:
+        spec = {
+            "attn_norm": ParamSpec((d,), ("embed",), "ones"),
+            "wq": ParamSpec((d, q_out), ("embed", "heads")),
+            "wk": ParamSpec((d, kv_out), ("embed", "kv_heads")),
+            "wv": ParamSpec((d, kv_out), ("embed", "kv_heads")),
+            "wo": ParamSpec((q_out, d), ("heads", "embed")),
+            "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
+        }
+        if cfg.attention_bias:
+            spec |= {
+                "bq": ParamSpec((q_out,), ("heads",), "zeros"),
+                "bk": ParamSpec((kv_out,), ("kv_heads",), "zeros"),
+                "bv": ParamSpec((kv_out,), ("kv_heads",), "zeros"),
+                "bo": ParamSpec((d,), ("embed",), "zeros"),
+            }
+        if cfg.qk_norm:
+            spec |= {
+                "q_norm": ParamSpec((hd,), ("head_dim",), "ones"),
+                "k_norm": ParamSpec((hd,), ("head_dim",), "ones"),
+            }
+        if cfg.is_moe_layer(i):
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            spec |= {
+                "router": ParamSpec((d, e), ("embed", "experts")),
+                "experts_gate": ParamSpec((e, d, f), ("experts", "embed", "mlp")),
+                "experts_up": ParamSpec((e, d, f), ("experts", "embed", "mlp")),
+                "experts_down": ParamSpec((e, f, d), ("experts", "mlp", "embed")),
+            }
+        else:
+            f = cfg.intermediate_size
+            spec |= {
+                "w_gate": ParamSpec((d, f), ("embed", "mlp")),
+                "w_up": ParamSpec((d, f), ("embed", "mlp")),
+                "w_down": ParamSpec((f, d), ("mlp", "embed")),
+            }
+        return spec
+
+    specs: dict[str, Any] = {
+        "embed": ParamSpec((cfg.vocab_size, d), ("vocab", "embed")),
+        "layers": [layer(i) for i in range(cfg.num_layers)],
+        "final_norm": ParamSpec((d,), ("embed",), "ones"),
+    }
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = ParamSpec((d, cfg.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def new_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: Config) -> jax.Array:
+    """Per-pair inverse frequencies (head_dim/2,), fp32, with HF's rope scaling types applied."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    rope = cfg.rope_dict
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(rope["factor"])
+    if kind == "llama3":
+        factor = float(rope["factor"])
+        low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_ctx = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x (B, T, heads, hd), positions (B, T); HF's rotate-half layout, computed in fp32."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, hd/2)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def block_attention_mask(lengths: jax.Array, block_len: int, max_len: int,
+                         block_mask: jax.Array | None) -> jax.Array:
+    """(B, T, S) bool over cache slots: the committed prefix is always visible; slots written by
+    this block (lengths .. lengths+T-1) are visible where `block_mask` (B, T, T) allows, causal if None."""
+    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - lengths[:, None]  # (B, S)
+    in_prefix = rel < 0
+    in_block = (rel >= 0) & (rel < block_len)
+    rel_b = jnp.clip(rel, 0, block_len - 1)
+    if block_mask is None:
+        visible = rel_b[:, None, :] <= jnp.arange(block_len, dtype=jnp.int32)[None, :, None]
+    else:
+        b = lengths.shape[0]
+        index = jnp.broadcast_to(rel_b[:, None, :], (b, block_len, max_len))
+        visible = jnp.take_along_axis(block_mask.astype(bool), index, axis=2)
+    return in_prefix[:, None, :] | (in_block[:, None, :] & visible)
+
+
+def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. q (B,T,H,hd), k/v (B,S,Hkv,hd), mask (B,T,S) -> (B,T,H,hd).
+    Scores and softmax in fp32."""
+    b, t, h, hd = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, t, hkv, h // hkv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+def dense_mlp(x: jax.Array, layer: Mapping[str, jax.Array]) -> jax.Array:
+    return (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
+
+
+def moe_mlp(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config) -> jax.Array:
+    """Qwen3-MoE block: softmax router in fp32, top-k experts, optional renormalisation; tokens are
+    sorted by expert and run through grouped matmuls (ragged_dot) so only routed experts compute."""
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])  # (M, D)
+    m, k, e = tokens.shape[0], cfg.num_experts_per_tok, cfg.num_experts
+    router_probs = jax.nn.softmax((tokens @ layer["router"]).astype(jnp.float32), axis=-1)
+    weights, experts = lax.top_k(router_probs, k)  # (M, k)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    flat_expert = experts.reshape(-1)  # (M*k,)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of = order // k
+    sorted_in = tokens[token_of]
+    group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
+    gate = lax.ragged_dot(sorted_in, layer["experts_gate"], group_sizes)
+    up = lax.ragged_dot(sorted_in, layer["experts_up"], group_sizes)
+    down = lax.ragged_dot(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)  # (M*k, D)
+    sorted_w = weights.reshape(-1)[order].astype(jnp.float32)
+    out = jnp.zeros((m, shape[-1]), jnp.float32).at[token_of].add(down.astype(jnp.float32) * sorted_w[:, None])
+    return out.astype(x.dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+
+
+def forward(
+    params: Mapping[str, Any],
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    cfg: Config,
+    *,
+    mask: jax.Array | None = None,
+    tap_layers: tuple[int, ...] = (),
+    logits_indices: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """Runs a block of T query tokens per sequence against the cache.
+
+    tokens, positions: (B, T). The block's keys/values go to cache slots lengths..lengths+T-1;
+    `mask` (B, T, T) says which block slots each query sees (None: causal); the committed prefix
+    is always visible. `cache.lengths` is not advanced.
+    tap_layers: layer indices whose outputs to return (HF hidden_states[i+1]), as (B, T, n, D).
+    logits_indices: (B, K) block positions whose logits to compute; None computes all T.
+    Returns (logits (B, T or K, V) fp32, taps or None, cache).
+    """
+    b, t = tokens.shape
+    max_len = cache.max_len
+    dtype = params["embed"].dtype
+    x = params["embed"][tokens].astype(dtype)
+    inv_freq = rope_inverse_frequencies(cfg)
+    attn_mask = block_attention_mask(cache.lengths, t, max_len, mask)
+    hd, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    new_k, new_v, taps = list(cache.k), list(cache.v), []
+    for i, layer in enumerate(params["layers"]):
+        hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = hidden @ layer["wq"], hidden @ layer["wk"], hidden @ layer["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+        q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
+        if cfg.qk_norm:
+            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        new_k[i] = write_block(new_k[i], k, cache.lengths)
+        new_v[i] = write_block(new_v[i], v, cache.lengths)
+        attn = attention_scores_softmax(q, new_k[i], new_v[i], attn_mask).reshape(b, t, h * hd)
+        attn = attn @ layer["wo"]
+        if cfg.attention_bias:
+            attn = attn + layer["bo"]
+        x = x + attn
+        hidden = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (moe_mlp(hidden, layer, cfg) if cfg.is_moe_layer(i) else dense_mlp(hidden, layer))
+        if i in tap_layers:
+            taps.append(x)
+    tap_out = None
+    if tap_layers:
+        order = {layer_idx: n for n, layer_idx in enumerate(sorted(set(tap_layers)))}
+        tap_out = jnp.stack([taps[order[layer_idx]] for layer_idx in tap_layers], axis=2)
+    if logits_indices is not None:
+        x = jnp.take_along_axis(x, logits_indices[:, :, None].astype(jnp.int32), axis=1)
+    logits = lm_logits(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cfg)
+    return logits, tap_out, cache._replace(k=tuple(new_k), v=tuple(new_v))
+
+
+def lm_logits(params: Mapping[str, Any], hidden: jax.Array, cfg: Config) -> jax.Array:
+    """Final projection to the vocabulary (tied to the embedding when the checkpoint ties it), fp32."""
+    if cfg.tie_embeddings:
+        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
