@@ -83,6 +83,8 @@ def bench_transformers(path, prompts_text, batch, new_tokens, repeats):
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.bfloat16).cuda().eval()
     texts = [tok.apply_chat_template([{"role": "user", "content": prompts_text[i % len(prompts_text)]}],
@@ -131,6 +133,7 @@ def main():
         row["bandwidth_floor_ms"] = (param_bytes + kv_bytes) / COPY_BANDWIDTH * 1e3
         row["us_per_kernel"] = row["step_ms"] * 1e3 / row["kernels_per_step"]
         rows.append(row)
+        print(row, flush=True)
         if not args.no_transformers and jax.default_backend() == "gpu":
             rows.append(bench_transformers(target.source, PROMPTS, batch, args.new_tokens, args.repeats))
     for batch in args.batch:

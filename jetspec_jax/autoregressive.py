@@ -60,6 +60,7 @@ def generate_tokens(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Arra
                     *, cfg: qwen3.Config, gen: GenerationConfig, cache_len: int) -> GenerationOutput:
     """prompt_tokens (B, P) right-padded, prompt_lens (B,); cache_len >= P + max_new_tokens."""
     b = prompt_tokens.shape[0]
+    params = qwen3.fuse_for_decode(params)
     logits, _, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len)
     key, sub = jax.random.split(key)
     first = select_tokens(logits, sub, gen.sampling)

@@ -272,11 +272,14 @@ def rope_inverse_frequencies(cfg: Config) -> jax.Array:
     raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x (B, T, heads, hd), positions (B, T); HF's rotate-half layout, computed in fp32."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, hd/2)
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin (B, T, 1, hd/2) fp32 for positions (B, T)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x (B, T, heads, hd); HF's rotate-half layout, computed in fp32."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -314,8 +317,41 @@ def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
+def project_qkv(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config):
+    if "wqkv" in layer:  # fused for decoding (see fuse_for_decode)
+        q, k, v = jnp.split(x @ layer["wqkv"], _qkv_splits(cfg), axis=-1)
+    else:
+        q, k, v = x @ layer["wq"], x @ layer["wk"], x @ layer["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    return q, k, v
+
+
+def _qkv_splits(cfg: Config) -> tuple[int, int]:
+    q_out = cfg.num_heads * cfg.head_dim
+    return q_out, q_out + cfg.num_kv_heads * cfg.head_dim
+
+
 def dense_mlp(x: jax.Array, layer: Mapping[str, jax.Array]) -> jax.Array:
-    return (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
+    if "w_gate_up" in layer:
+        gate, up = jnp.split(x @ layer["w_gate_up"], 2, axis=-1)
+    else:
+        gate, up = x @ layer["w_gate"], x @ layer["w_up"]
+    return (jax.nn.silu(gate) * up) @ layer["w_down"]
+
+
+def fuse_for_decode(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Concatenates q/k/v and gate/up weights so a decode step launches one matmul for each group
+    instead of three and two; small-batch decoding is bound by kernel count, not bandwidth.
+    Call once outside the decode loop; `forward` accepts either layout."""
+    layers = []
+    for layer in params["layers"]:
+        layer = dict(layer)
+        layer["wqkv"] = jnp.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=1)
+        if "w_gate" in layer:
+            layer["w_gate_up"] = jnp.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=1)
+        layers.append(layer)
+    return {**params, "layers": layers}
 
 
 def moe_mlp(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config) -> jax.Array:
@@ -369,20 +405,19 @@ def forward(
     max_len = cache.max_len
     dtype = params["embed"].dtype
     x = params["embed"][tokens].astype(dtype)
-    inv_freq = rope_inverse_frequencies(cfg)
+    cos, sin = rope_tables(positions, rope_inverse_frequencies(cfg))
     attn_mask = block_attention_mask(cache.lengths, t, max_len, mask)
     hd, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     new_k, new_v, taps = list(cache.k), list(cache.v), []
     for i, layer in enumerate(params["layers"]):
         hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = hidden @ layer["wq"], hidden @ layer["wk"], hidden @ layer["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+        q, k, v = project_qkv(hidden, layer, cfg)
         q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
         if cfg.qk_norm:
             q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        qk = apply_rope(jnp.concatenate([q, k], axis=2), cos, sin)  # one kernel for both
+        q, k = qk[:, :, :h], qk[:, :, h:]
         new_k[i] = write_block(new_k[i], k, cache.lengths)
         new_v[i] = write_block(new_v[i], v, cache.lengths)
         attn = attention_scores_softmax(q, new_k[i], new_v[i], attn_mask).reshape(b, t, h * hd)
