@@ -1,9 +1,10 @@
-"""Host-side text generation API and CLI.
+"""Host-side text generation API and CLI, autoregressive or speculative.
 
     python -m jetspec_jax.generate "What is 7 * 8?"
+    python -m jetspec_jax.generate "What is 7 * 8?" --method jetspec --head HEAD_DIR --budget 64
 
 Prompts go through the tokenizer's chat template (non-thinking), run through the jitted generator
-in one device call, and come back as texts and token ids with timing.
+in one device call, and come back as texts and token ids with timing and acceptance statistics.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import jax
 import numpy as np
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
+from jetspec_jax.loading.head_checkpoint import load_head
+from jetspec_jax.models import draft_head
+from jetspec_jax.models.params import init_params
 from jetspec_jax.sampling import SamplingConfig
+from jetspec_jax.speculative import (METHODS, HeadDrafter, SpecConfig, speculative_cache_rows,
+                                     speculative_generate)
 from jetspec_jax.target import Target, load_target
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, bounding the number of compilations
@@ -31,10 +37,20 @@ class GenerationResult:
     prompt_token_ids: list[list[int]]
     compile_seconds: float  # 0 when a compiled program for these shapes was reused
     generate_seconds: float  # prefill + decode, device time of the generation call
+    method: str = "ar"
+    target_forwards: int | None = None  # speculative: verify passes over the batch
+    accept_counts: list[int] | None = None  # speculative: steps that accepted 0, 1, .. drafts
 
     @property
     def num_generated(self) -> int:
         return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens committed per target verify pass (accepted drafts + bonus); None for AR."""
+        if not self.target_forwards:
+            return None
+        return (self.num_generated - len(self.token_ids)) / self.target_forwards
 
     @property
     def tokens_per_second(self) -> float:
@@ -137,26 +153,57 @@ def decode_texts(tokenizer, token_ids: list[list[int]]) -> list[str]:
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
 
 
-def generate(prompts: Sequence[str] | str, target: Target | None = None, *, max_new_tokens: int = 256,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             chat: bool = True, system_prompt: str | None = None,
-             max_cache_len: int | None = None) -> GenerationResult:
-    """Autoregressive generation for a batch of prompts (greedy when temperature == 0)."""
+def random_head(target: Target, attention: str, seed: int = 0):
+    """An untrained head of the default shape: lossless but accepts almost nothing (tau ~ 1)."""
+    cfg = draft_head.DraftConfig.for_target(target.cfg, attention=attention)
+    return cfg, init_params(draft_head.param_specs(cfg), jax.random.key(seed), target.params["embed"].dtype)
+
+
+def generate(prompts: Sequence[str] | str, target: Target | None = None, *, method: str = "ar",
+             head: tuple[draft_head.DraftConfig, Any] | None = None, budget: int = 64, width: int = 7,
+             max_depth: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
+             system_prompt: str | None = None, max_cache_len: int | None = None) -> GenerationResult:
+    """Generation for a batch of prompts (greedy when temperature == 0).
+
+    method "ar" decodes token by token; "jetspec", "ddtree" and "dflash" decode speculatively with
+    `head` = (DraftConfig, params) and give the same tokens at temperature 0 and the same
+    distribution at temperature > 0.
+    """
+    if method != "ar" and method not in METHODS:
+        raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
     target = load_target() if target is None else target
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     prompt_ids = encode_prompts(target.tokenizer, prompts, chat=chat, system_prompt=system_prompt)
     tokens, lengths = pad_prompts(prompt_ids, pad_token(target))
-    cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
-                               target.cfg.max_position_embeddings, max_cache_len)
     gen = GenerationConfig(max_new_tokens=max_new_tokens,
                            sampling=SamplingConfig(temperature, top_k, top_p),
                            eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
-    out, compile_s, run_s = compiled_call(
-        generate_tokens, (target.params, tokens, lengths, jax.random.key(seed)),
-        dict(cfg=target.cfg, gen=gen, cache_len=cache_len))
+    key = jax.random.key(seed)
+    if method == "ar":
+        cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
+                                   target.cfg.max_position_embeddings, max_cache_len)
+        out, compile_s, run_s = compiled_call(generate_tokens, (target.params, tokens, lengths, key),
+                                              dict(cfg=target.cfg, gen=gen, cache_len=cache_len))
+        stats = {}
+    else:
+        if head is None:
+            raise ValueError(f"method {method!r} needs a draft head (head=(config, params))")
+        head_cfg, head_params = head
+        drafter = HeadDrafter(head_cfg, target.cfg)
+        spec = SpecConfig(method, budget, width, max_depth)
+        extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
+        cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
+                                   target.cfg.max_position_embeddings, max_cache_len, extra=extra)
+        out, compile_s, run_s = compiled_call(
+            speculative_generate, (target.params, head_params, tokens, lengths, key),
+            dict(cfg=target.cfg, drafter=drafter, spec=spec, gen=gen, cache_len=cache_len))
+        stats = dict(target_forwards=int(np.sum(out.target_forwards)),
+                     accept_counts=np.asarray(out.accept_counts).sum(0).tolist())
     generated = trim_generated(np.asarray(out.tokens), np.asarray(out.num_tokens))
     return GenerationResult(texts=decode_texts(target.tokenizer, generated), token_ids=generated,
-                            prompt_token_ids=prompt_ids, compile_seconds=compile_s, generate_seconds=run_s)
+                            prompt_token_ids=prompt_ids, compile_seconds=compile_s, generate_seconds=run_s,
+                            method=method, **stats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,16 +223,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights/activations (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--method", choices=("ar",) + METHODS, default="ar",
+                   help="ar: token by token; jetspec: causal head + best-first tree; ddtree: "
+                        "bidirectional head + best-first tree; dflash: bidirectional head, chain")
+    p.add_argument("--head", default=None, help="trained draft head directory (draft_config.json + "
+                                                "head.safetensors); without it an untrained head is used")
+    p.add_argument("--budget", type=int, default=64, help="tree nodes verified per step, root included")
+    p.add_argument("--width", type=int, default=7, help="candidates per depth")
+    p.add_argument("--max-depth", type=int, default=None, help="tree depth limit (default: the head's)")
     return p
+
+
+def resolve_head(args, target: Target):
+    if args.method == "ar":
+        return None
+    if args.head:
+        cfg, params = load_head(args.head, target.params["embed"].dtype)
+        return cfg, params
+    attention = "causal" if args.method == "jetspec" else "bidirectional"
+    print("warning: no --head given; using an untrained head (output is still exact, but tau ~ 1 "
+          "and nothing is faster)", file=sys.stderr)
+    return random_head(target, attention, args.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         target = load_target(args.model, dtype=args.dtype)
-        result = generate(args.prompts, target, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, chat=not args.no_chat, system_prompt=args.system)
+        result = generate(args.prompts, target, method=args.method, head=resolve_head(args, target),
+                          budget=args.budget, width=args.width, max_depth=args.max_depth,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
+                          system_prompt=args.system)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,9 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(args.prompts) > 1:
             print(f"### {prompt}")
         print(text.strip())
+    spec = "" if result.tau is None else (f", tau {result.tau:.2f} over {result.target_forwards} "
+                                          f"verify passes, budget {args.budget}")
     print(f"[{jax.default_backend()}] {result.num_generated} tokens in {result.generate_seconds:.2f} s "
           f"= {result.tokens_per_second:.1f} tok/s (compile {result.compile_seconds:.1f} s, "
-          f"batch {len(args.prompts)}, autoregressive)", file=sys.stderr)
+          f"batch {len(args.prompts)}, {result.method}{spec})", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,263 @@
+"""The parallel draft head (JetSpec; DFlash/DDTree with a bidirectional block).
+
+Qwen3-style decoder layers over a block `[anchor, MASK x (block-1)]`. The target's tapped hidden
+states are fused (concat -> bias-free linear -> RMSNorm) into one context feature per committed token;
+every head layer turns it into extra keys/values with its own k/v projections, and only block slots
+issue queries. The head shares the target's embedding and LM head and owns neither. Slot i > 0
+predicts the token i positions after the anchor, so one pass gives one distribution per depth.
+
+Context keys/values are cached per sequence (`DraftContext`) and extended as tokens are committed;
+block slots are never cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.kv_cache import write_block
+from jetspec_jax.models import qwen3
+from jetspec_jax.models.params import ParamSpec
+
+ATTENTION_PATTERNS = ("causal", "bidirectional")
+
+
+def default_tap_layers(num_target_layers: int, num_taps: int = 5) -> tuple[int, ...]:
+    """Evenly spaced from layer 1 to n-3 (the published rule: {1,9,17,25,33} for 36 layers)."""
+    start, end = 1, max(1, num_target_layers - 3)
+    if num_taps == 1:
+        return (start,)
+    return tuple(int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    num_layers: int
+    hidden_size: int  # must equal the target's: the head reads the target's embeddings
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's; checked when the head is paired with a target
+    target_hidden_size: int
+    tap_layers: tuple[int, ...]
+    block_size: int = 16
+    # None: the head learns its own mask embedding; an id: use the target's embedding of that token.
+    mask_token_id: int | None = None
+    # "causal" (JetSpec), "bidirectional" (DFlash/DDTree), or an explicit block x block boolean
+    # query mask as nested tuples (row i: the block slots query i sees).
+    attention: str | tuple[tuple[bool, ...], ...] = "causal"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+
+    def __post_init__(self):
+        problems = []
+        if self.block_size < 2:
+            problems.append(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if not self.tap_layers:
+            problems.append("tap_layers is empty; the head needs at least one target layer")
+        if isinstance(self.attention, str):
+            if self.attention not in ATTENTION_PATTERNS:
+                problems.append(f"attention {self.attention!r} is not one of {ATTENTION_PATTERNS} "
+                                "or an explicit block mask")
+        else:
+            mask = np.asarray(self.attention, bool)
+            if mask.shape != (self.block_size, self.block_size):
+                problems.append(f"explicit attention mask has shape {mask.shape}, expected "
+                                f"({self.block_size}, {self.block_size})")
+            elif not mask.diagonal().all():
+                problems.append("explicit attention mask must let every slot see itself")
+        if problems:
+            raise ValueError("invalid draft head config: " + "; ".join(problems))
+
+    @property
+    def max_depth(self) -> int:
+        return self.block_size - 1
+
+    def block_mask(self) -> np.ndarray:
+        b = self.block_size
+        if self.attention == "causal":
+            return np.tril(np.ones((b, b), bool))
+        if self.attention == "bidirectional":
+            return np.ones((b, b), bool)
+        return np.asarray(self.attention, bool)
+
+    def layer_config(self) -> qwen3.Config:
+        """The Qwen3 layer shape the head's layers share (used for RoPE and norms)."""
+        return qwen3.Config(architecture="qwen3", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                            num_layers=self.num_layers, num_heads=self.num_heads,
+                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                            intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
+                            rope_theta=self.rope_theta, qk_norm=True)
+
+    @classmethod
+    def for_target(cls, target_cfg: qwen3.Config, *, num_layers: int = 2, num_taps: int = 5,
+                   block_size: int = 16, attention="causal", intermediate_size: int | None = None,
+                   **overrides) -> "DraftConfig":
+        """A head shaped like the target's layers (width, heads, head dim, RoPE base)."""
+        return cls(num_layers=num_layers, hidden_size=target_cfg.hidden_size, num_heads=target_cfg.num_heads,
+                   num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
+                   intermediate_size=intermediate_size or target_cfg.intermediate_size or
+                   4 * target_cfg.hidden_size,
+                   vocab_size=target_cfg.vocab_size, target_hidden_size=target_cfg.hidden_size,
+                   tap_layers=default_tap_layers(target_cfg.num_layers, num_taps), block_size=block_size,
+                   attention=attention, rms_norm_eps=target_cfg.rms_norm_eps,
+                   rope_theta=target_cfg.rope_theta, **overrides)
+
+
+def check_pairing(head: DraftConfig, target: qwen3.Config) -> None:
+    """Raises when a head was built for a different target."""
+    problems = []
+    if head.hidden_size != target.hidden_size or head.target_hidden_size != target.hidden_size:
+        problems.append(f"head width {head.hidden_size} (context width {head.target_hidden_size}) "
+                        f"!= target hidden size {target.hidden_size}")
+    if head.vocab_size != target.vocab_size:
+        problems.append(f"head vocabulary {head.vocab_size} != target vocabulary {target.vocab_size}")
+    bad_taps = [t for t in head.tap_layers if not 0 <= t < target.num_layers]
+    if bad_taps:
+        problems.append(f"tap layers {bad_taps} do not exist in a {target.num_layers}-layer target")
+    if head.mask_token_id is not None and not 0 <= head.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {head.mask_token_id} is outside the target vocabulary")
+    if problems:
+        raise ValueError("draft head does not fit this target (was it trained for another model?): "
+                         + "; ".join(problems))
+
+
+def param_specs(cfg: DraftConfig) -> dict[str, Any]:
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def layer():
+        return {
+            "attn_norm": ParamSpec((d,), ("embed",), "ones"),
+            "wq": ParamSpec((d, q_out), ("embed", "heads")),
+            "wk": ParamSpec((d, kv_out), ("embed", "kv_heads")),
+            "wv": ParamSpec((d, kv_out), ("embed", "kv_heads")),
+            "wo": ParamSpec((q_out, d), ("heads", "embed")),
+            "q_norm": ParamSpec((hd,), ("head_dim",), "ones"),
+            "k_norm": ParamSpec((hd,), ("head_dim",), "ones"),
+            "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
+            "w_gate": ParamSpec((d, cfg.intermediate_size), ("embed", "mlp")),
+            "w_up": ParamSpec((d, cfg.intermediate_size), ("embed", "mlp")),
+            "w_down": ParamSpec((cfg.intermediate_size, d), ("mlp", "embed")),
+        }
+
+    specs: dict[str, Any] = {
+        "fc": ParamSpec((len(cfg.tap_layers) * cfg.target_hidden_size, d), (None, "embed")),
+        "hidden_norm": ParamSpec((d,), ("embed",), "ones"),
+        "layers": [layer() for _ in range(cfg.num_layers)],
+        "final_norm": ParamSpec((d,), ("embed",), "ones"),
+    }
+    if cfg.mask_token_id is None:
+        specs["mask_embed"] = ParamSpec((d,), ("embed",))
+    return specs
+
+
+class DraftContext(NamedTuple):
+    """Projected context keys/values of committed tokens, per head layer: (B, C, Hkv, hd)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array  # (B,) context rows per sequence = committed tokens - 1
+
+    @staticmethod
+    def create(cfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float32) -> "DraftContext":
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return DraftContext(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                            lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def fuse_taps(params: Mapping[str, Any], taps: jax.Array, cfg: DraftConfig) -> jax.Array:
+    """taps (B, n, n_taps, D_target) -> fused context features (B, n, D)."""
+    b, n = taps.shape[:2]
+    flat = taps.reshape(b, n, -1).astype(params["fc"].dtype)
+    return qwen3.rms_norm(flat @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+
+
+def context_kv(layer: Mapping[str, jax.Array], fused: jax.Array, cos: jax.Array, sin: jax.Array,
+               cfg: DraftConfig) -> tuple[jax.Array, jax.Array]:
+    b, n = fused.shape[:2]
+    k = (fused @ layer["wk"]).reshape(b, n, cfg.num_kv_heads, cfg.head_dim)
+    v = (fused @ layer["wv"]).reshape(b, n, cfg.num_kv_heads, cfg.head_dim)
+    k = qwen3.apply_rope(qwen3.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps), cos, sin)
+    return k, v
+
+
+def extend_context(params: Mapping[str, Any], ctx: DraftContext, taps: jax.Array, counts: jax.Array,
+                   cfg: DraftConfig) -> DraftContext:
+    """Appends the first counts[b] rows of taps (B, n, n_taps, D_target) to the context, at positions
+    ctx.lengths .. ctx.lengths + counts - 1. Rows past counts are written but stay uncommitted."""
+    b, n = taps.shape[:2]
+    fused = fuse_taps(params, taps, cfg)
+    positions = ctx.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
+    cos, sin = qwen3.rope_tables(positions, qwen3.rope_inverse_frequencies(cfg.layer_config()))
+    new_k, new_v = list(ctx.k), list(ctx.v)
+    for i, layer in enumerate(params["layers"]):
+        k, v = context_kv(layer, fused, cos, sin, cfg)
+        new_k[i] = write_block(new_k[i], k, ctx.lengths)
+        new_v[i] = write_block(new_v[i], v, ctx.lengths)
+    return DraftContext(tuple(new_k), tuple(new_v), ctx.lengths + counts.astype(jnp.int32))
+
+
+def head_layer(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
+               mask: jax.Array, cos: jax.Array, sin: jax.Array, cfg: DraftConfig) -> jax.Array:
+    """One decoder layer for block queries x (B, T, D) against [context keys ; block keys].
+    mask (B, T, C + T) covers both."""
+    b, t, _ = x.shape
+    hidden = qwen3.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q = (hidden @ layer["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = (hidden @ layer["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (hidden @ layer["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = qwen3.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+    k = qwen3.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    q, k = qwen3.apply_rope(q, cos, sin), qwen3.apply_rope(k, cos, sin)
+    keys = jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], axis=1)
+    values = jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], axis=1)
+    attn = qwen3.attention_scores_softmax(q, keys, values, mask).reshape(b, t, -1)
+    x = x + attn @ layer["wo"]
+    hidden = qwen3.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    return x + qwen3.dense_mlp(hidden, layer)
+
+
+def block_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any], anchor: jax.Array,
+                     cfg: DraftConfig) -> jax.Array:
+    """[anchor, MASK x (block-1)] embedded with the target's table: (B, block, D)."""
+    embed = target_params["embed"]
+    b = anchor.shape[0]
+    anchor_x = embed[anchor][:, None, :]
+    mask_vec = params["mask_embed"] if cfg.mask_token_id is None else embed[cfg.mask_token_id]
+    masks = jnp.broadcast_to(mask_vec.astype(embed.dtype), (b, cfg.block_size - 1, embed.shape[-1]))
+    return jnp.concatenate([anchor_x, masks], axis=1)
+
+
+def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
+                 anchor: jax.Array, ctx: DraftContext, cfg: DraftConfig, *,
+                 block_mask: jax.Array | None = None, num_depths: int | None = None) -> jax.Array:
+    """One head pass over [anchor, MASK...] at positions ctx.lengths + i.
+
+    Returns fp32 logits (B, num_depths, V) for depths 1..num_depths (default block-1).
+    block_mask (block, block) or (B, block, block) overrides the configured attention pattern.
+    """
+    b = anchor.shape[0]
+    x = block_embeddings(params, target_params, anchor, cfg)
+    positions = ctx.lengths[:, None] + jnp.arange(cfg.block_size, dtype=jnp.int32)[None]
+    cos, sin = qwen3.rope_tables(positions, qwen3.rope_inverse_frequencies(cfg.layer_config()))
+    if block_mask is None:
+        block_mask = jnp.asarray(cfg.block_mask())
+    block_mask = jnp.broadcast_to(block_mask.astype(bool), (b, cfg.block_size, cfg.block_size))
+    ctx_len = ctx.k[0].shape[1]
+    ctx_visible = jnp.arange(ctx_len)[None, :] < ctx.lengths[:, None]  # (B, C)
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(ctx_visible[:, None, :], (b, cfg.block_size, ctx_len)), block_mask], axis=2)
+    for i, layer in enumerate(params["layers"]):
+        x = head_layer(x, layer, ctx.k[i], ctx.v[i], mask, cos, sin, cfg)
+    depths = cfg.max_depth if num_depths is None else num_depths
+    hidden = qwen3.rms_norm(x[:, 1: depths + 1], params["final_norm"], cfg.rms_norm_eps)
+    return qwen3.lm_logits(target_params, hidden, target_cfg)

@@ -1,0 +1,165 @@
+"""Jitted speculative generation: draft a tree in one head pass, verify it in one target pass.
+
+The whole loop runs in one `lax.while_loop` with per-sequence trees, lengths, acceptance and stopping;
+the host sees results once. Invariant per sequence: the target cache holds every committed token but
+the newest (the anchor), and the drafter has seen the taps of exactly those cached tokens.
+
+Methods: `jetspec` (causal head, best-first tree), `ddtree` (bidirectional head, best-first tree),
+`dflash` (bidirectional head, a chain of each depth's top-1 token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jetspec_jax.autoregressive import GenerationConfig, is_stop_token, prefill
+from jetspec_jax.kv_cache import KVCache, write_block
+from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.sampling import select_tokens
+from jetspec_jax.tree import build_tree, top_candidates, validate_tree_settings
+from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
+
+METHODS = ("jetspec", "ddtree", "dflash")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    method: str = "jetspec"
+    budget: int = 64  # tree nodes verified per step, the root included
+    width: int = 7  # candidates per depth (ignored by dflash, which uses 1)
+    max_depth: int | None = None  # None: as deep as the drafter predicts
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method {self.method!r} is not one of {METHODS}")
+        validate_tree_settings(self.budget, self.width, self.max_depth if self.max_depth is not None else 1)
+
+    def depth(self, drafter_depth: int) -> int:
+        depth = drafter_depth if self.max_depth is None else self.max_depth
+        validate_tree_settings(self.budget, self.width, depth, drafter_depth)
+        return depth
+
+    @property
+    def tree_width(self) -> int:
+        return 1 if self.method == "dflash" else self.width
+
+    def expected_attention(self) -> str:
+        return "causal" if self.method == "jetspec" else "bidirectional"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDrafter:
+    """Drafts with a parallel draft head; its state is the head's context K/V cache."""
+
+    cfg: draft_head.DraftConfig
+    target_cfg: qwen3.Config
+
+    def __post_init__(self):
+        draft_head.check_pairing(self.cfg, self.target_cfg)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.cfg.tap_layers
+
+    @property
+    def max_depth(self) -> int:
+        return self.cfg.max_depth
+
+    def init_state(self, params, batch: int, max_len: int, dtype):
+        return draft_head.DraftContext.create(self.cfg, batch, max_len, dtype)
+
+    def observe(self, params, state, taps, counts):
+        return draft_head.extend_context(params, state, taps, counts, self.cfg)
+
+    def propose(self, params, state, target_params, target_cache: KVCache, anchor, num_depths: int):
+        return draft_head.draft_logits(params, target_params, self.target_cfg, anchor, state, self.cfg,
+                                       num_depths=num_depths)
+
+
+class SpecOutput(NamedTuple):
+    tokens: jax.Array  # (B, max_new_tokens), pad after each sequence's end
+    num_tokens: jax.Array  # (B,) generated tokens, EOS included
+    target_forwards: jax.Array  # (B,) verify passes while the sequence was live (prefill excluded)
+    accept_counts: jax.Array  # (B, D+1) how often 0..D draft tokens were accepted in one step
+
+
+def speculative_cache_rows(budget: int, depth: int) -> int:
+    """Scratch rows a step writes past the committed length (the tree, then the compacted path)."""
+    return max(budget, depth + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec", "gen", "cache_len"))
+def speculative_generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array,
+                         key: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
+                         gen: GenerationConfig, cache_len: int) -> SpecOutput:
+    """prompt_tokens (B, P) right-padded; cache_len >= P + max_new_tokens + speculative_cache_rows."""
+    b = prompt_tokens.shape[0]
+    depth = spec.depth(drafter.max_depth)
+    budget, width = spec.budget, spec.tree_width
+    taps_wanted = tuple(drafter.tap_layers)
+    params = qwen3.fuse_for_decode(params)
+    dtype = params["embed"].dtype
+
+    logits, taps, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len, tap_layers=taps_wanted)
+    state = drafter.init_state(drafter_params, b, cache_len, dtype)
+    if taps_wanted:
+        state = drafter.observe(drafter_params, state, taps, prompt_lens)
+    key, sub = jax.random.split(key)
+    first = select_tokens(logits, sub, gen.sampling)
+    out = jnp.full((b, gen.max_new_tokens + depth + 1), gen.pad_token_id, jnp.int32).at[:, 0].set(first)
+    done = is_stop_token(first, gen.eos_token_ids) | (gen.max_new_tokens <= 1)
+    zeros = jnp.zeros((b,), jnp.int32)
+    carry = (first, cache, state, out, jnp.ones((b,), jnp.int32), done, zeros,
+             jnp.zeros((b, depth + 1), jnp.int32), key)
+
+    def cond(carry):
+        return ~jnp.all(carry[5])
+
+    def body(carry):
+        anchor, cache, state, out, num, done, forwards, counts, key = carry
+        draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
+        cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft, axis=-1), width)
+        tree = jax.vmap(functools.partial(build_tree, budget=budget))(anchor, cand_tokens, cand_logps)
+        logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted)
+        key, sub = jax.random.split(key)
+        result = accept(tree, target_choices(logits, sub, gen.sampling), depth)
+
+        # commit accepted drafts + bonus, cut at EOS and at max_new_tokens
+        slot = jnp.arange(depth + 1, dtype=jnp.int32)[None]
+        n_commit = result.accept_len + 1
+        stop = is_stop_token(result.tokens, gen.eos_token_ids) & (slot < n_commit[:, None])
+        hit_eos = jnp.any(stop, axis=-1)
+        n_commit = jnp.where(hit_eos, jnp.argmax(stop, axis=-1) + 1, n_commit)
+        n_commit = jnp.minimum(n_commit, gen.max_new_tokens - num)
+        live = ~done
+        n_commit = jnp.where(live, n_commit, 0)
+        out = write_block(out, jnp.where(live[:, None], result.tokens, gen.pad_token_id), num)
+        num = num + n_commit
+        done = done | hit_eos | (num >= gen.max_new_tokens)
+
+        keep = jnp.where(live, result.accept_len + 1, 0)  # root + accepted nodes enter the cache
+        cache = compact_cache(cache, result.path, keep)
+        if taps_wanted:
+            path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
+            state = drafter.observe(drafter_params, state, path_taps, keep)
+        anchor = jnp.where(live, result.bonus, anchor)
+        forwards = forwards + live.astype(jnp.int32)
+        counts = counts + (live[:, None] & (slot == result.accept_len[:, None])).astype(jnp.int32)
+        return anchor, cache, state, out, num, done, forwards, counts, key
+
+    _, _, _, out, num, _, forwards, counts, _ = lax.while_loop(cond, body, carry)
+    positions = jnp.arange(gen.max_new_tokens)[None]
+    tokens = jnp.where(positions < num[:, None], out[:, : gen.max_new_tokens], gen.pad_token_id)
+    return SpecOutput(tokens=tokens, num_tokens=num, target_forwards=forwards, accept_counts=counts)
+
+
+def mean_accepted_length(output: SpecOutput) -> jax.Array:
+    """tau: tokens committed per verify pass (accepted drafts + bonus), over the batch."""
+    committed = jnp.sum(output.num_tokens - 1)  # the first token comes from prefill
+    return committed / jnp.maximum(jnp.sum(output.target_forwards), 1)

@@ -1,0 +1,80 @@
+"""Tree verification: one target forward over the tree, acceptance, and KV-cache compaction.
+
+Acceptance walks from the root into the child whose token equals the target's choice at the current
+node; the first node with no such child yields the bonus token. At temperature 0 the target's choice is
+its argmax. At temperature > 0 it is one sample per node from the target's (filtered) distribution, so
+every committed token is an exact target sample given its committed prefix: the output follows the
+target's distribution exactly, whatever the draft proposed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.kv_cache import KVCache, gather_rows, write_block
+from jetspec_jax.models import qwen3
+from jetspec_jax.sampling import SamplingConfig, filtered_logits
+from jetspec_jax.tree import Tree
+
+
+class Acceptance(NamedTuple):
+    path: jax.Array  # (B, D+1) tree indices of root, accepted nodes; padded with the last accepted
+    accept_len: jax.Array  # (B,) accepted draft tokens (root excluded)
+    bonus: jax.Array  # (B,) the target's token after the accepted path
+    tokens: jax.Array  # (B, D+1) accepted draft tokens then the bonus; padded past accept_len + 1
+
+
+def verify_tree(params: Any, tree: Tree, cache: KVCache, cfg: qwen3.Config, tap_layers: tuple[int, ...]):
+    """Runs the target on the tree nodes (positions = cache length + depth, ancestor mask).
+    Returns (logits (B, N, V), taps (B, N, n_taps, D) or None, cache with the nodes written)."""
+    positions = cache.lengths[:, None] + tree.depths
+    return qwen3.forward(params, tree.tokens, positions, cache, cfg, mask=tree.ancestors,
+                         tap_layers=tap_layers)
+
+
+def target_choices(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """The target's token at every node: argmax, or one independent sample per node."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered_logits(logits, sampling), axis=-1).astype(jnp.int32)
+
+
+def accept(tree: Tree, choices: jax.Array, max_depth: int) -> Acceptance:
+    """Longest root path whose every token equals the target's choice at its parent.
+
+    choices (B, N): the target's token at each node. Sibling tokens are distinct, so at most one
+    child matches per node and the accepted path is unique.
+    """
+    parent_choice = jnp.take_along_axis(choices, jnp.maximum(tree.parents, 0), axis=-1)
+    is_root = tree.parents < 0
+    matched = tree.valid & (is_root | (tree.tokens == parent_choice))
+    # a node is reached when it and all its ancestors matched
+    reached = ~jnp.any(tree.ancestors & ~matched[..., None, :], axis=-1) & tree.valid
+    depth_if_reached = jnp.where(reached, tree.depths, -1)
+    deepest = jnp.argmax(depth_if_reached, axis=-1)  # (B,)
+    accept_len = jnp.take_along_axis(tree.depths, deepest[:, None], axis=-1)[:, 0]
+    bonus = jnp.take_along_axis(choices, deepest[:, None], axis=-1)[:, 0]
+    # path[k] = the ancestor of `deepest` at depth k (k <= accept_len), else `deepest`
+    on_path = jnp.take_along_axis(tree.ancestors, deepest[:, None, None], axis=1)[:, 0]  # (B, N)
+    depth_ids = jnp.arange(max_depth + 1, dtype=jnp.int32)
+    at_depth = on_path[:, None, :] & (tree.depths[:, None, :] == depth_ids[None, :, None])  # (B, D+1, N)
+    path = jnp.where(jnp.any(at_depth, axis=-1), jnp.argmax(at_depth, axis=-1), deepest[:, None])
+    path = path.astype(jnp.int32)
+    path_tokens = jnp.take_along_axis(tree.tokens, path, axis=-1)
+    # committed tokens: path tokens after the root, then the bonus
+    shifted = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, -1:]], axis=1)
+    slot = depth_ids[None, :]
+    tokens = jnp.where(slot < accept_len[:, None], shifted, bonus[:, None])
+    return Acceptance(path=path, accept_len=accept_len.astype(jnp.int32), bonus=bonus, tokens=tokens)
+
+
+def compact_cache(cache: KVCache, path: jax.Array, keep: jax.Array) -> KVCache:
+    """Moves the accepted nodes' keys/values (tree slots cache.lengths + path) to the contiguous
+    slots cache.lengths .. and commits `keep` (B,) of them (root + accepted drafts)."""
+    rows = cache.lengths[:, None] + path
+    new_k = tuple(write_block(k, gather_rows(k, rows), cache.lengths) for k in cache.k)
+    new_v = tuple(write_block(v, gather_rows(v, rows), cache.lengths) for v in cache.v)
+    return KVCache(new_k, new_v, cache.lengths + keep.astype(jnp.int32))

@@ -1,0 +1,54 @@
+"""Test drafters with known quality, plugged into speculative_generate like the draft head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.models import qwen3
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetGreedyDrafter:
+    """Proposes the target's own greedy continuation (runs the target `depth` steps on a scratch copy
+    of the cache). At temperature 0 every draft is accepted; at temperature > 0 its depth-1 candidates
+    are the target's own top tokens, so acceptance is frequent and every branch of `accept` is used.
+    `sharpness` scales the logits: a confident drafter puts its chain first in the best-first order."""
+
+    target_cfg: qwen3.Config
+    depth: int
+    sharpness: float = 30.0
+    tap_layers: tuple[int, ...] = ()
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    def init_state(self, params, batch, max_len, dtype):
+        return jnp.zeros((), jnp.int32)
+
+    def observe(self, params, state, taps, counts):
+        return state
+
+    def propose(self, params, state, target_params, cache, anchor, num_depths):
+        token, logits_per_depth = anchor, []
+        for d in range(num_depths):
+            scratch = cache._replace(lengths=cache.lengths + d)  # writes land past the committed rows
+            logits, _, cache_after = qwen3.forward(target_params, token[:, None], scratch.lengths[:, None],
+                                                   scratch, self.target_cfg)
+            cache = cache_after._replace(lengths=cache.lengths)
+            logits_per_depth.append(logits[:, 0])
+            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return self.sharpness * jnp.stack(logits_per_depth, axis=1)
+
+
+def random_head(target_cfg, key, *, attention="causal", num_layers=1, block_size=8, dtype=jnp.float32):
+    from jetspec_jax.models import draft_head
+    from jetspec_jax.models.params import init_params
+    from jetspec_jax.speculative import HeadDrafter
+
+    cfg = draft_head.DraftConfig.for_target(target_cfg, num_layers=num_layers, num_taps=2,
+                                            block_size=block_size, attention=attention)
+    return HeadDrafter(cfg, target_cfg), init_params(draft_head.param_specs(cfg), key, dtype, scale=0.1)

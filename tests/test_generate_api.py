@@ -1,0 +1,58 @@
+"""Host API and CLI: speculative methods through `generate`, and draft-head files."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jetspec_jax.generate import generate, main, random_head
+from jetspec_jax.loading.head_checkpoint import CONFIG_FILE, load_head, save_head
+
+
+def test_head_files_round_trip(tiny_qwen3, tmp_path):
+    target, _ = tiny_qwen3
+    cfg, params = random_head(target, "causal", seed=3)
+    save_head(str(tmp_path / "head"), cfg, params)
+    save_head(str(tmp_path / "head"), cfg, params)  # overwriting an existing head is atomic too
+    loaded_cfg, loaded = load_head(str(tmp_path / "head"), jnp.float32)
+    assert loaded_cfg == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]  # no temporary left behind
+
+
+def test_head_file_errors(tiny_qwen3, tmp_path):
+    target, _ = tiny_qwen3
+    with pytest.raises(FileNotFoundError, match="no draft head"):
+        load_head(str(tmp_path / "missing"), jnp.float32)
+    cfg, params = random_head(target, "causal")
+    save_head(str(tmp_path / "head"), cfg, params)
+    config = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())
+    config["num_layerz"] = 3
+    (tmp_path / "head" / CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unknown keys \\['num_layerz'\\]"):
+        load_head(str(tmp_path / "head"), jnp.float32)
+
+
+def test_generate_speculative_equals_ar_on_embedded_model(embedded_target):
+    prompts = ["What is 15 plus 27?", "Say hello in French."]
+    ar = generate(prompts, embedded_target, max_new_tokens=24)
+    head = random_head(embedded_target, "bidirectional")
+    for method in ("ddtree", "dflash"):
+        spec = generate(prompts, embedded_target, method=method, head=head, budget=16, width=3,
+                        max_new_tokens=24)
+        assert spec.token_ids == ar.token_ids and spec.texts == ar.texts
+        assert spec.tau is not None and spec.tau >= 1.0
+        assert sum(spec.accept_counts) == spec.target_forwards
+    with pytest.raises(ValueError, match="needs a draft head"):
+        generate(prompts, embedded_target, method="jetspec")
+
+
+def test_cli_speculative_prints_tau(capsys):
+    assert main(["What is 2 plus 2?", "--method", "jetspec", "--budget", "8", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "untrained head" in err and "tau" in err and "jetspec" in err
