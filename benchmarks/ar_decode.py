@@ -49,7 +49,8 @@ def kernels_per_step(target, batch: int, cache_len: int) -> int:
     def step(params, tokens, cache):
         return qwen3.forward(params, tokens, cache.lengths[:, None], cache, target.cfg)
 
-    text = jax.jit(step, donate_argnums=2).lower(target.params, tokens, cache).compile().as_text()
+    params = qwen3.fuse_for_decode(target.params)  # the layout the decode loop uses
+    text = jax.jit(step, donate_argnums=2).lower(params, tokens, cache).compile().as_text()
     entry = text[text.index("ENTRY"):]
     entry = entry[: entry.index("\n}")]
     skip = ("parameter", "tuple", "get-tuple-element", "constant", "bitcast")
