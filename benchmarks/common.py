@@ -46,7 +46,8 @@ def environment() -> dict[str, Any]:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                             check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        info["git_commit"] = None
+        # the device machine gets the tree without .git: the caller passes the commit in
+        info["git_commit"] = os.environ.get("JETSPEC_COMMIT")
     return info
 
 
