@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 
-import jax
-import pytest
+# Eight fake CPU devices for the sharding tests; set before jax starts. Unsharded code uses device 0.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -261,3 +261,35 @@ def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], ta
     depths = cfg.max_depth if num_depths is None else num_depths
     hidden = qwen3.rms_norm(x[:, 1: depths + 1], params["final_norm"], cfg.rms_norm_eps)
     return qwen3.lm_logits(target_params, hidden, target_cfg)
+
+
+def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
+                    tokens: jax.Array, taps: jax.Array, anchors: jax.Array, cfg: DraftConfig) -> jax.Array:
+    """The inference computation for K blocks per sequence at once (training and held-out eval).
+
+    tokens (B, S), taps (B, S, n_taps, D_target) of the target on the same sequence, anchors (B, K).
+    Block k is [tokens[a_k], MASK...] at positions a_k + i; it sees the context of positions < a_k
+    (exactly what inference has when a_k is the newest committed token) and its own slots under the
+    configured pattern, never other blocks. Returns fp32 logits (B, K, block-1, V) for depths 1..D.
+    """
+    b, s = tokens.shape
+    k, blk = anchors.shape[1], cfg.block_size
+    inv_freq = qwen3.rope_inverse_frequencies(cfg.layer_config())
+    fused = fuse_taps(params, taps, cfg)
+    ctx_cos, ctx_sin = qwen3.rope_tables(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), inv_freq)
+    anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)  # (B, K)
+    x = jax.vmap(lambda a: block_embeddings(params, target_params, a, cfg), in_axes=1, out_axes=1)(anchor_tokens)
+    x = x.reshape(b, k * blk, -1)
+    positions = (anchors[:, :, None] + jnp.arange(blk, dtype=jnp.int32)).reshape(b, k * blk)
+    cos, sin = qwen3.rope_tables(positions, inv_freq)
+    ctx_visible = jnp.arange(s)[None, None, :] < anchors[:, :, None]  # (B, K, S)
+    ctx_visible = jnp.repeat(ctx_visible, blk, axis=1)  # (B, K*blk, S)
+    same_block = jnp.arange(k)[:, None, None, None] == jnp.arange(k)[None, None, :, None]  # (K,1,K,1)
+    pattern = jnp.asarray(cfg.block_mask())[None, :, None, :]  # (1, blk, 1, blk)
+    block_visible = (same_block & pattern).reshape(k * blk, k * blk)
+    mask = jnp.concatenate([ctx_visible, jnp.broadcast_to(block_visible, (b, k * blk, k * blk))], axis=2)
+    for layer in params["layers"]:
+        ctx_k, ctx_v = context_kv(layer, fused, ctx_cos, ctx_sin, cfg)
+        x = head_layer(x, layer, ctx_k, ctx_v, mask, cos, sin, cfg)
+    hidden = qwen3.rms_norm(x.reshape(b, k, blk, -1)[:, :, 1:], params["final_norm"], cfg.rms_norm_eps)
+    return qwen3.lm_logits(target_params, hidden, target_cfg)

@@ -1,0 +1,63 @@
+"""python -m jetspec_jax.train --config train/configs/<name>.toml [section.key=value ...]
+
+Stages: `regenerate` (the frozen target answers the training prompts; shards + manifest on disk),
+`train` (distil the draft head; resumes from the run's latest checkpoint), `all` (both, default)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+
+
+def maybe_initialize_distributed() -> None:
+    """Multi-host: started by a multi-process launcher, every process joins one JAX runtime."""
+    launched = (os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+                or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
+    if launched:
+        jax.distributed.initialize()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jetspec_jax.train", description=__doc__.split("\n\n")[1])
+    p.add_argument("--config", required=True, help="a file in train/configs (name or path)")
+    p.add_argument("--stage", choices=["all", "regenerate", "train"], default="all")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.total_steps=500")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from jetspec_jax.target import load_target
+
+    from .config import load_config
+    from .regenerate import load_training_prompts, read_shards, regenerate
+    from .trainer import train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        maybe_initialize_distributed()
+        target = load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
+        regen_dir = os.path.join(cfg.run.out_dir, cfg.data.regen_dir) if not os.path.isabs(
+            cfg.data.regen_dir) else cfg.data.regen_dir
+        if args.stage in ("all", "regenerate"):
+            sources = {name: (None if n < 0 else n) for name, n in cfg.data.sources.items() if n != 0}
+            prompts = load_training_prompts(cfg.data.data_dir, sources, cfg.run.seed)
+            regenerate(target, prompts, regen_dir, max_new_tokens=cfg.data.max_new_tokens,
+                       temperature=cfg.data.temperature, top_p=cfg.data.top_p, top_k=0, seed=cfg.run.seed,
+                       batch_size=cfg.data.regen_batch_size, shard_size=1024,
+                       max_prompt_tokens=cfg.data.max_prompt_tokens)
+        if args.stage in ("all", "train"):
+            summary = train(cfg, target, read_shards(regen_dir))
+            print(json.dumps(summary, indent=2))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
