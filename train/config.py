@@ -10,13 +10,15 @@ import tomllib
 import typing
 from typing import Any
 
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+# the checkout's sibling shared/data (an installed copy must be given data.data_dir)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_DIR = os.path.join(REPO_ROOT, "train", "configs")
+DEFAULT_DATA_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data"))
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    data_dir: str = os.path.join(REPO_ROOT, "..", "shared", "data")
+    data_dir: str = DEFAULT_DATA_DIR
     # prompts per training source (0 = none, -1 = all); eval splits are never read
     sources: dict = dataclasses.field(default_factory=lambda: {"gsm8k": -1, "math": -1, "mbpp": -1,
                                                                "chat": -1})
@@ -73,6 +75,7 @@ class RunConfig:
     log_every: int = 10
     mesh_model: int = 1  # devices along the parameter-sharding axis; the rest is data parallel
     export_head: str = ""  # where to write the final head (draft_config.json + head.safetensors)
+    max_minutes: float = 0.0  # > 0: stop cleanly (checkpoint + export) after this much training time
 
 
 @dataclasses.dataclass(frozen=True)

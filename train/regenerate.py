@@ -23,8 +23,8 @@ from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, pad_prompts, pa
 from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.target import Target
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data"))
+from .config import DEFAULT_DATA_DIR
+
 MANIFEST_FILE = "manifest.json"
 SHARD_PATTERN = "shard-{:05d}.jsonl"
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -251,18 +251,22 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
     batches = batch_iterator(ds, data_state)
     tokens_per_step = global_batch * cfg.data.seq_len
     bar = tqdm(total=cfg.optim.total_steps, initial=start, desc=cfg.run.name, dynamic_ncols=True)
-    t_last, steps_since_log, last_eval = time.perf_counter(), 0, {}
-    for step in range(start + 1, cfg.optim.total_steps + 1):
+    t_start = t_last = time.perf_counter()
+    steps_since_log, last_eval, step = 0, {}, start
+    while step < cfg.optim.total_steps:
+        step += 1
         state, metrics = trainer.train_step(state, next(batches))
         steps_since_log += 1
-        if step % cfg.run.log_every == 0 or step == cfg.optim.total_steps or on_step is not None:
+        out_of_time = cfg.run.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.run.max_minutes
+        last = step == cfg.optim.total_steps or out_of_time
+        if step % cfg.run.log_every == 0 or last or on_step is not None:
             loss = float(metrics["loss"])  # waits for the step: the rate below is device-bound
             now = time.perf_counter()
             row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                    "tokens_per_s": tokens_per_step * steps_since_log / max(now - t_last, 1e-9),
-                   "tokens_seen": step * tokens_per_step}
+                   "tokens_seen": step * tokens_per_step, "train_seconds": now - t_start}
             t_last, steps_since_log = now, 0
-            if eval_batches and (step % cfg.run.eval_every == 0 or step == cfg.optim.total_steps):
+            if eval_batches and (step % cfg.run.eval_every == 0 or last):
                 last_eval = trainer.evaluate(state["params"], eval_batches)
                 row.update(last_eval)
             append_jsonl(metrics_path, row)
@@ -277,14 +281,16 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
             ckpt.close()
             bar.close()
             return {"stopped_at": step}
+        if out_of_time:
+            break
     ckpt.wait()
-    if cfg.optim.total_steps not in ckpt.manager.all_steps():
-        ckpt.save(cfg.optim.total_steps, state, batches.get_state(), force=True)
+    if step not in ckpt.manager.all_steps():
+        ckpt.save(step, state, batches.get_state(), force=True)
         ckpt.wait()
     ckpt.close()
     bar.close()
-    summary = {"steps": cfg.optim.total_steps, "tokens_seen": cfg.optim.total_steps * tokens_per_step,
-               **last_eval}
+    summary = {"steps": step, "tokens_seen": step * tokens_per_step,
+               "train_seconds_this_run": time.perf_counter() - t_start, **last_eval}
     if cfg.run.export_head:
         params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), state["params"])
         save_head(cfg.run.export_head, trainer.head_cfg, params,

@@ -1,0 +1,68 @@
+"""Acceptance of a trained head on held-out prompts: tau per method and budget, with AR in the same run.
+
+    python benchmarks/head_tau.py --head heads/smollm2-135m-jetspec --out benchmarks/results/head_tau.json
+
+Prompts: the first N GSM8K test questions (never trained on) with the math instruction, chat template,
+greedy. Every speculative output is checked token for token against the AR output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, print_table, write_json_atomic  # noqa: E402
+
+from jetspec_jax.generate import generate  # noqa: E402
+from jetspec_jax.loading.head_checkpoint import load_head  # noqa: E402
+from jetspec_jax.target import load_target  # noqa: E402
+from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR, MATH_INSTRUCTION  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--head", action="append", required=True, help="head directory (repeat for several)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--width", type=int, default=7)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    p.add_argument("--out", default="benchmarks/results/head_tau.json")
+    args = p.parse_args()
+
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    target = load_target(dtype=dtype)
+    with open(os.path.join(args.data_dir, "gsm8k_test.jsonl")) as f:
+        questions = [json.loads(line)["question"] + MATH_INSTRUCTION for line in f][: args.prompts]
+    ar = generate(questions, target, max_new_tokens=args.max_new_tokens)
+    ar = generate(questions, target, max_new_tokens=args.max_new_tokens)  # timed warm
+    rows = [dict(head="-", method="ar", budget=1, tau=1.0, tok_s=ar.tokens_per_second, mismatches=0)]
+    for head_dir in args.head:
+        head_cfg, head_params = load_head(head_dir, dtype)
+        methods = ["jetspec"] if head_cfg.attention == "causal" else ["ddtree", "dflash"]
+        for method in methods:
+            for budget in (args.budgets if method != "dflash" else [head_cfg.block_size]):
+                kwargs = dict(method=method, head=(head_cfg, head_params), budget=budget, width=args.width,
+                              max_new_tokens=args.max_new_tokens)
+                generate(questions, target, **kwargs)  # compile
+                out = generate(questions, target, **kwargs)
+                mismatches = sum(a != b for a, b in zip(out.token_ids, ar.token_ids))
+                rows.append(dict(head=os.path.basename(head_dir.rstrip("/")), method=method, budget=budget,
+                                 tau=out.tau, tok_s=out.tokens_per_second,
+                                 speedup_vs_ar=out.tokens_per_second / ar.tokens_per_second,
+                                 mismatches=mismatches, accept_counts=out.accept_counts))
+                print(rows[-1], flush=True)
+    print_table(rows, ["head", "method", "budget", "tau", "tok_s", "speedup_vs_ar", "mismatches"])
+    write_json_atomic(args.out, dict(benchmark="head_tau", prompts=f"gsm8k_test[:{args.prompts}]",
+                                     batch=len(questions), max_new_tokens=args.max_new_tokens,
+                                     dtype=str(jnp.dtype(dtype)), rows=rows, environment=environment()))
+
+
+if __name__ == "__main__":
+    main()
