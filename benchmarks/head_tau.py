@@ -33,10 +33,15 @@ def main():
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="default: bf16 on GPU, fp32 on CPU; fp32 makes the AR comparison exact")
     p.add_argument("--out", default="benchmarks/results/head_tau.json")
     args = p.parse_args()
 
-    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    dtype = jnp.dtype(args.dtype) if args.dtype else (jnp.bfloat16 if jax.default_backend() != "cpu"
+                                                      else jnp.float32)
+    if dtype == jnp.float32:  # true fp32 matmuls: the GPU default would use TF32 and flip near-ties
+        jax.config.update("jax_default_matmul_precision", "highest")
     target = load_target(dtype=dtype)
     with open(os.path.join(args.data_dir, "gsm8k_test.jsonl")) as f:
         questions = [json.loads(line)["question"] + MATH_INSTRUCTION for line in f][: args.prompts]

@@ -33,12 +33,14 @@ from jetspec_jax.tree import build_tree, top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
 
 
-def per_iteration_ms(body, init, iters: int) -> float:
-    """Device time of one `state = body(i, state)`, from a jitted fori_loop of `iters` iterations
-    minus one of a single iteration (cancels the call's fixed cost)."""
-    run = jax.jit(lambda state, n: lax.fori_loop(0, n, body, state), static_argnums=1)
-    t_many = time_call(lambda: run(init, iters), repeats=5)
-    t_one = time_call(lambda: run(init, 1), repeats=5)
+def per_iteration_ms(body, init, iters: int, *inputs) -> float:
+    """Device time of one `state = body(i, state, *inputs)`, from a jitted fori_loop of `iters`
+    iterations minus one of a single iteration (cancels the call's fixed cost). Arrays go in as
+    arguments, never as closed-over constants, which XLA would try to constant-fold."""
+    run = jax.jit(lambda state, inputs, n: lax.fori_loop(0, n, lambda i, s: body(i, s, *inputs), state),
+                  static_argnums=2)
+    t_many = time_call(lambda: run(init, inputs, iters), repeats=5)
+    t_one = time_call(lambda: run(init, inputs, 1), repeats=5)
     return (t_many - t_one) / (iters - 1) * 1e3
 
 
@@ -67,54 +69,54 @@ def main():
     lens = jnp.full((b,), ctx_len, jnp.int32)
 
     @jax.jit
-    def setup():
+    def setup(params, head, prompt, lens):
         logits, taps, cache = prefill(params, prompt, lens, cfg, cache_len, tap_layers=taps_wanted)
         ctx = drafter.observe(head, drafter.init_state(head, b, cache_len, dtype), taps, lens)
         return jnp.argmax(logits, -1).astype(jnp.int32), cache, ctx
 
-    anchor, cache, ctx = setup()
+    anchor, cache, ctx = setup(params, head, prompt, lens)
 
-    def ar_body(i, cache):
+    def ar_body(i, cache, params, anchor):
         _, _, cache = qwen3.forward(params, anchor[:, None], cache.lengths[:, None], cache, cfg)
         return cache
 
-    ar_ms = per_iteration_ms(ar_body, cache, args.iters)
+    ar_ms = per_iteration_ms(ar_body, cache, args.iters, params, anchor)
 
-    def draft_body(i, anchor):  # the next anchor depends on the draft, so nothing is hoisted
+    def draft_body(i, anchor, head, params, ctx):  # the next anchor depends on the draft: nothing hoists
         logits = drafter.propose(head, ctx, params, None, anchor, depth)
         return (anchor + jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)) % cfg.vocab_size
 
-    draft_ms = per_iteration_ms(draft_body, anchor, args.iters)
-    draft_logits = jax.jit(lambda a: drafter.propose(head, ctx, params, None, a, depth))(anchor)
+    draft_ms = per_iteration_ms(draft_body, anchor, args.iters, head, params, ctx)
+    draft_logits = jax.jit(lambda h, p, c, a: drafter.propose(h, c, p, None, a, depth))(head, params, ctx, anchor)
     rows = []
     for budget in args.budgets:
-        def make_tree(logits, budget=budget):
+        def make_tree(logits, anchor, budget=budget):
             tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
             return jax.vmap(functools.partial(build_tree, budget=budget))(anchor, tokens, logps)
 
-        def tree_body(i, logits):
-            tree = make_tree(logits)
+        def tree_body(i, logits, anchor):
+            tree = make_tree(logits, anchor)
             return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
 
-        tree_ms = per_iteration_ms(tree_body, draft_logits, args.iters)
-        tree = jax.jit(make_tree)(draft_logits)
+        tree_ms = per_iteration_ms(tree_body, draft_logits, args.iters, anchor)
+        tree = jax.jit(make_tree)(draft_logits, anchor)
 
-        def verify_body(i, cache):
+        def verify_body(i, cache, params, tree):
             _, _, cache = verify_tree(params, tree, cache, cfg, taps_wanted)
             return cache
 
-        verify_ms = per_iteration_ms(verify_body, cache, args.iters)
+        verify_ms = per_iteration_ms(verify_body, cache, args.iters, params, tree)
         vlogits, node_taps, verified_cache = jax.jit(
-            lambda c: verify_tree(params, tree, c, cfg, taps_wanted))(cache)
+            lambda p, t, c: verify_tree(p, t, c, cfg, taps_wanted))(params, tree, cache)
 
-        def accept_body(i, state):
+        def accept_body(i, state, tree, vlogits, node_taps, head):
             cache, ctx = state
             result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), depth)
             keep = jnp.zeros_like(result.accept_len)  # commit nothing so every iteration sees one state
             path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
             return compact_cache(cache, result.path, keep), drafter.observe(head, ctx, path_taps, keep)
 
-        accept_ms = per_iteration_ms(accept_body, (verified_cache, ctx), args.iters)
+        accept_ms = per_iteration_ms(accept_body, (verified_cache, ctx), args.iters, tree, vlogits, node_taps, head)
 
         spec = SpecConfig("jetspec", budget, args.width)
 

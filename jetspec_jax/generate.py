@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-from jetspec_jax.loading.head_checkpoint import load_head
+from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params
 from jetspec_jax.sampling import SamplingConfig
@@ -223,34 +223,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights/activations (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--method", choices=("ar",) + METHODS, default="ar",
-                   help="ar: token by token; jetspec: causal head + best-first tree; ddtree: "
-                        "bidirectional head + best-first tree; dflash: bidirectional head, chain")
+    p.add_argument("--method", choices=("auto", "ar") + METHODS, default="auto",
+                   help="auto: jetspec when a trained head ships for the target (the embedded model "
+                        "has one), else ar; ar: token by token; jetspec: causal head + best-first tree; "
+                        "ddtree: bidirectional head + best-first tree; dflash: bidirectional head, chain")
     p.add_argument("--head", default=None, help="trained draft head directory (draft_config.json + "
-                                                "head.safetensors); without it an untrained head is used")
+                                                "head.safetensors); default: the head shipped for the "
+                                                "target, else an untrained one")
     p.add_argument("--budget", type=int, default=64, help="tree nodes verified per step, root included")
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--max-depth", type=int, default=None, help="tree depth limit (default: the head's)")
     return p
 
 
-def resolve_head(args, target: Target):
-    if args.method == "ar":
-        return None
-    if args.head:
-        cfg, params = load_head(args.head, target.params["embed"].dtype)
-        return cfg, params
-    attention = "causal" if args.method == "jetspec" else "bidirectional"
-    print("warning: no --head given; using an untrained head (output is still exact, but tau ~ 1 "
-          "and nothing is faster)", file=sys.stderr)
-    return random_head(target, attention, args.seed)
+def resolve_method_and_head(args, target: Target):
+    """(method, head) for the CLI: an explicit --head, else the packaged head for this target."""
+    method = args.method
+    if method == "auto":
+        method = "jetspec" if (args.head or packaged_head_path(target.source, "jetspec")) else "ar"
+    if method == "ar":
+        return method, None
+    path = args.head or packaged_head_path(target.source, method)
+    if path:
+        return method, load_head(path, target.params["embed"].dtype)
+    attention = "causal" if method == "jetspec" else "bidirectional"
+    print(f"warning: no trained {method} head for this target; using an untrained head (output is "
+          "still exact, but tau ~ 1 and nothing is faster)", file=sys.stderr)
+    return method, random_head(target, attention, args.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         target = load_target(args.model, dtype=args.dtype)
-        result = generate(args.prompts, target, method=args.method, head=resolve_head(args, target),
+        method, head = resolve_method_and_head(args, target)
+        result = generate(args.prompts, target, method=method, head=head,
                           budget=args.budget, width=args.width, max_depth=args.max_depth,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,

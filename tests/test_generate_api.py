@@ -52,7 +52,37 @@ def test_generate_speculative_equals_ar_on_embedded_model(embedded_target):
         generate(prompts, embedded_target, method="jetspec")
 
 
-def test_cli_speculative_prints_tau(capsys):
-    assert main(["What is 2 plus 2?", "--method", "jetspec", "--budget", "8", "--max-new-tokens", "8"]) == 0
+def test_cli_default_is_jetspec_with_the_shipped_head(capsys):
+    """The main command speculates with the trained head and prints what AR prints."""
+    question = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+                "May. How many clips did Natalia sell altogether in April and May?")
+    assert main([question, "--max-new-tokens", "48"]) == 0
+    spec = capsys.readouterr()
+    assert "jetspec" in spec.err and "untrained" not in spec.err
+    tau = float(spec.err.split("tau ")[1].split()[0])
+    assert tau > 1.5  # the trained head really accepts drafts (about 2.3 on this question)
+    assert main([question, "--max-new-tokens", "48", "--method", "ar"]) == 0
+    assert capsys.readouterr().out == spec.out
+
+
+def test_cli_without_a_trained_head_warns(capsys):
+    assert main(["What is 2 plus 2?", "--method", "ddtree", "--budget", "8", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
-    assert "untrained head" in err and "tau" in err and "jetspec" in err
+    assert "untrained head" in err and "tau" in err and "ddtree" in err
+
+
+def test_shipped_head_is_lossless_and_accepts(embedded_target):
+    """The trained head on unseen GSM8K-style questions: token-identical to AR in fp32, tau well above 1."""
+    from jetspec_jax.loading.head_checkpoint import packaged_head_path
+
+    path = packaged_head_path(embedded_target.source, "jetspec")
+    assert path is not None
+    head = load_head(path, jnp.float32)
+    prompts = ["A farmer has 12 cows and buys 7 more. Then he sells 5. How many cows does he have?",
+               "Tom reads 15 pages a day. How many pages does he read in 2 weeks?",
+               "What is the sum of the first 10 positive integers?"]
+    ar = generate(prompts, embedded_target, max_new_tokens=64)
+    for budget in (16, 64):
+        spec = generate(prompts, embedded_target, method="jetspec", head=head, budget=budget, max_new_tokens=64)
+        assert spec.token_ids == ar.token_ids
+        assert spec.tau > 1.8

@@ -294,6 +294,7 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
     if cfg.run.export_head:
         params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), state["params"])
         save_head(cfg.run.export_head, trainer.head_cfg, params,
-                  metadata={"config": json.dumps(cfg.to_dict()), "summary": json.dumps(summary)})
+                  metadata={"config": json.dumps(cfg.to_dict()), "summary": json.dumps(summary),
+                            "target": os.path.basename(target.source)})
         summary["exported_head"] = cfg.run.export_head
     return summary

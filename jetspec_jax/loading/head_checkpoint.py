@@ -77,3 +77,16 @@ def load_head(path: str, dtype) -> tuple[draft_head.DraftConfig, Any]:
         tensors = [(key, (lambda key=key: f.get_tensor(key))) for key in f.keys()]
         params = assemble_params(specs, tensors, rules, dtype, source=path)
     return cfg, params
+
+
+PACKAGED_HEADS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "heads")
+
+
+def packaged_head_path(target_source: str, method: str) -> str | None:
+    """The head shipped in this package for a target file (by basename) and method, if any."""
+    index = os.path.join(PACKAGED_HEADS_DIR, "heads.json")
+    if not os.path.isfile(index):
+        return None
+    with open(index) as f:
+        entry = json.load(f).get(os.path.basename(os.path.normpath(target_source)), {})
+    return os.path.join(PACKAGED_HEADS_DIR, entry[method]) if method in entry else None
