@@ -34,10 +34,13 @@ class SpecConfig:
     budget: int = 64  # tree nodes verified per step, the root included
     width: int = 7  # candidates per depth (ignored by dflash, which uses 1)
     max_depth: int | None = None  # None: as deep as the drafter predicts
+    attention_impl: str = "xla"  # verify attention: xla (dense mask) | pallas | pallas_interpret
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} is not one of {METHODS}")
+        if self.attention_impl not in ("xla", "pallas", "pallas_interpret"):
+            raise ValueError(f"attention_impl {self.attention_impl!r} is not xla, pallas or pallas_interpret")
         validate_tree_settings(self.budget, self.width, self.max_depth if self.max_depth is not None else 1)
 
     def depth(self, drafter_depth: int) -> int:
@@ -126,7 +129,7 @@ def speculative_generate(params: Any, drafter_params: Any, prompt_tokens: jax.Ar
         draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
         cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft, axis=-1), width)
         tree = jax.vmap(functools.partial(build_tree, budget=budget))(anchor, cand_tokens, cand_logps)
-        logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted)
+        logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted, spec.attention_impl)
         key, sub = jax.random.split(key)
         result = accept(tree, target_choices(logits, sub, gen.sampling), depth)
 

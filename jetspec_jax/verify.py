@@ -27,12 +27,13 @@ class Acceptance(NamedTuple):
     tokens: jax.Array  # (B, D+1) accepted draft tokens then the bonus; padded past accept_len + 1
 
 
-def verify_tree(params: Any, tree: Tree, cache: KVCache, cfg: qwen3.Config, tap_layers: tuple[int, ...]):
+def verify_tree(params: Any, tree: Tree, cache: KVCache, cfg: qwen3.Config, tap_layers: tuple[int, ...],
+                attention_impl: str = "xla"):
     """Runs the target on the tree nodes (positions = cache length + depth, ancestor mask).
     Returns (logits (B, N, V), taps (B, N, n_taps, D) or None, cache with the nodes written)."""
     positions = cache.lengths[:, None] + tree.depths
     return qwen3.forward(params, tree.tokens, positions, cache, cfg, mask=tree.ancestors,
-                         tap_layers=tap_layers)
+                         tap_layers=tap_layers, attention_impl=attention_impl)
 
 
 def target_choices(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:

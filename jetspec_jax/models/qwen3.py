@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models.params import ParamSpec
 
@@ -391,6 +392,7 @@ def forward(
     mask: jax.Array | None = None,
     tap_layers: tuple[int, ...] = (),
     logits_indices: jax.Array | None = None,
+    attention_impl: str = "xla",
 ) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """Runs a block of T query tokens per sequence against the cache.
 
@@ -399,6 +401,8 @@ def forward(
     is always visible. `cache.lengths` is not advanced.
     tap_layers: layer indices whose outputs to return (HF hidden_states[i+1]), as (B, T, n, D).
     logits_indices: (B, K) block positions whose logits to compute; None computes all T.
+    attention_impl: "xla" (dense mask over the cache), or "pallas" / "pallas_interpret" (the tree
+    attention kernel with a packed block mask; see kernels/tree_attention.py).
     Returns (logits (B, T or K, V) fp32, taps or None, cache).
     """
     b, t = tokens.shape
@@ -406,7 +410,11 @@ def forward(
     dtype = params["embed"].dtype
     x = params["embed"][tokens].astype(dtype)
     cos, sin = rope_tables(positions, rope_inverse_frequencies(cfg))
-    attn_mask = block_attention_mask(cache.lengths, t, max_len, mask)
+    if attention_impl == "xla":
+        attn_mask = block_attention_mask(cache.lengths, t, max_len, mask)
+    else:
+        block = jnp.tril(jnp.ones((t, t), bool))[None] if mask is None else mask
+        packed_mask = pack_tree_mask(jnp.broadcast_to(block, (b, t, t)))
     hd, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     new_k, new_v, taps = list(cache.k), list(cache.v), []
     for i, layer in enumerate(params["layers"]):
@@ -420,7 +428,11 @@ def forward(
         q, k = qk[:, :, :h], qk[:, :, h:]
         new_k[i] = write_block(new_k[i], k, cache.lengths)
         new_v[i] = write_block(new_v[i], v, cache.lengths)
-        attn = attention_scores_softmax(q, new_k[i], new_v[i], attn_mask).reshape(b, t, h * hd)
+        if attention_impl == "xla":
+            attn = attention_scores_softmax(q, new_k[i], new_v[i], attn_mask)
+        else:
+            attn = tree_attention(q, new_k[i], new_v[i], cache.lengths, packed_mask, implementation=attention_impl)
+        attn = attn.reshape(b, t, h * hd)
         attn = attn @ layer["wo"]
         if cfg.attention_bias:
             attn = attn + layer["bo"]

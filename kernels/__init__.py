@@ -1,0 +1,1 @@
+"""Pallas GPU kernels for tree attention, each beside its plain-jnp reference."""

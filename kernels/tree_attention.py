@@ -1,0 +1,215 @@
+"""Tree attention: N query nodes against a sequence's cached prefix and the tree nodes themselves.
+
+Keys/values live in one cache buffer (B, S, Hkv, D): rows < lengths[b] are the committed prefix, rows
+lengths[b] .. lengths[b]+N-1 the tree nodes (written there by the verify forward). Node i sees the
+whole prefix and the nodes whose bit is set in its row of a packed ancestor mask (B, N, ceil(N/32))
+uint32, never a dense N x (L+N) mask. GQA: query head h reads kv head h // (H / Hkv).
+
+`tree_attention` dispatches: the Pallas kernel (Triton lowering) on GPU, the plain-jnp reference
+elsewhere. The kernel is split-K (flash-decoding): each program handles one (batch, query head,
+query block, key split); the last split takes the tree nodes, the others share the prefix, and a
+log-sum-exp merge combines them. Checked with jax 0.10 (CPU, interpret=True); the GPU path targets
+jax 0.11 on Hopper through the Triton lowering (the Mosaic GPU backend is the alternative to measure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+WORD_BITS = 32
+
+
+def pack_tree_mask(ancestors: jax.Array) -> jax.Array:
+    """(..., N, N) bool -> (..., N, ceil(N/32)) uint32; bit j of word w marks node 32w + j."""
+    n = ancestors.shape[-1]
+    words = -(-n // WORD_BITS)
+    padded = jnp.pad(ancestors.astype(jnp.uint32), [(0, 0)] * (ancestors.ndim - 1) + [(0, words * WORD_BITS - n)])
+    bits = padded.reshape(ancestors.shape[:-1] + (words, WORD_BITS))
+    return jnp.sum(bits << jnp.arange(WORD_BITS, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+def unpack_tree_mask(words: jax.Array, n: int) -> jax.Array:
+    bits = (words[..., :, None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)) & 1
+    return bits.reshape(words.shape[:-1] + (-1,))[..., :n].astype(bool)
+
+
+def tree_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                             tree_words: jax.Array) -> jax.Array:
+    """Plain jnp: q (B, N, H, D), k/v (B, S, Hkv, D), lengths (B,), tree_words (B, N, W) -> (B, N, H, D).
+    Scores and softmax in fp32."""
+    b, n, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    rel = jnp.arange(s, dtype=jnp.int32)[None, :] - lengths[:, None]  # (B, S)
+    tree = unpack_tree_mask(tree_words, n)  # (B, N, N)
+    in_tree = (rel >= 0) & (rel < n)
+    tree_visible = jnp.take_along_axis(tree, jnp.broadcast_to(jnp.clip(rel, 0, n - 1)[:, None, :], (b, n, s)),
+                                       axis=2)
+    mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_visible)  # (B, N, S)
+    qg = q.reshape(b, n, hkv, h // hkv, d)
+    scores = jnp.einsum("bnkgd,bskd->bkgns", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgns,bskd->bnkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, n, h, d).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAttentionTuning:
+    block_q: int = 16  # query nodes per program (Triton dots need >= 16)
+    block_k: int = 64  # prefix keys per inner step
+    prefix_splits: int | None = None  # None: about one split per 1024 cache rows
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def splits_for(self, cache_rows: int) -> int:
+        if self.prefix_splits is not None:
+            return self.prefix_splits
+        return max(1, min(32, -(-cache_rows // 1024)))
+
+
+def _online_softmax_step(q, k, v, visible, carry, scale):
+    """One flash-attention block: scores (M, K) -> updated (acc, running max, running sum)."""
+    acc, m_prev, l_prev = carry
+    s = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+    s = jnp.where(visible, s, -jnp.inf)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a fully masked row so far stays at zero
+    correction = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
+    return acc, m_next, l_prev * correction + jnp.sum(p, axis=1)
+
+
+def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, lse_ref, *, num_nodes: int,
+                           num_words: int, prefix_splits: int, split_rows: int, block_k: int, scale: float):
+    """Grid (batch, query head, query block, split). Splits < prefix_splits cover prefix rows
+    [split * split_rows, ...) up to the prefix length; the last split covers the tree nodes."""
+    b, split = pl.program_id(0), pl.program_id(3)
+    qb = pl.program_id(2)
+    block_q, d = q_ref.shape
+    length = lengths_ref[b]
+    q = q_ref[...]
+    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+
+    def prefix_block(i, carry):
+        start = split * split_rows + i * block_k
+        rows = start + jnp.arange(block_k)
+        inside = rows < jnp.minimum(length, (split + 1) * split_rows)
+        k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=0.0)
+        return _online_softmax_step(q, k, v, inside[None, :], carry, scale)
+
+    def tree_block(c, carry):
+        node = c * WORD_BITS + jnp.arange(WORD_BITS)
+        inside = node < num_nodes
+        rows = length + c * WORD_BITS
+        k = plgpu.load(k_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
+        words = words_ref[:, c]  # (block_q,) this chunk's bits for each query node
+        bits = (words[:, None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)[None, :]) & 1
+        return _online_softmax_step(q, k, v, (bits == 1) & inside[None, :], carry, scale)
+
+    is_tree = split == prefix_splits
+    prefix_rows = jnp.clip(length - split * split_rows, 0, split_rows)
+    prefix_steps = jnp.where(is_tree, 0, pl.cdiv(prefix_rows, block_k))
+    tree_steps = jnp.where(is_tree, num_words, 0)
+    carry = lax.fori_loop(0, prefix_steps, prefix_block, init)
+    acc, m, l = lax.fori_loop(0, tree_steps, tree_block, carry)
+    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
+    del qb
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array,
+                          *, tuning: TreeAttentionTuning = TreeAttentionTuning(),
+                          interpret: bool = False) -> jax.Array:
+    """The Pallas kernel; same contract as `tree_attention_reference`. Needs lengths + N <= S."""
+    b, n, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    group = h // hkv
+    block_q = tuning.block_q
+    n_pad = -(-n // block_q) * block_q
+    num_words = tree_words.shape[-1]
+    splits = tuning.splits_for(s)
+    split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
+    # padded query rows see the root, so every row has a finite softmax; they are cut off below
+    words = jnp.pad(tree_words, ((0, 0), (0, n_pad - n), (0, 0)))
+    words = words.at[:, n:, 0].set(jnp.uint32(1))
+    qt = jnp.pad(q, ((0, 0), (0, n_pad - n), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # (B, H, Np, D)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, Hkv, S, D)
+    kernel = functools.partial(_tree_attention_kernel, num_nodes=n, num_words=num_words, prefix_splits=splits,
+                               split_rows=split_rows, block_k=tuning.block_k, scale=1.0 / math.sqrt(d))
+    grid = (b, h, n_pad // block_q, splits + 1)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, j, qb, sp: (0,)),
+            pl.BlockSpec((None, None, block_q, d), lambda i, j, qb, sp: (i, j, qb, 0)),
+            pl.BlockSpec((None, None, s, d), lambda i, j, qb, sp: (i, j // group, 0, 0)),
+            pl.BlockSpec((None, None, s, d), lambda i, j, qb, sp: (i, j // group, 0, 0)),
+            pl.BlockSpec((None, block_q, num_words), lambda i, j, qb, sp: (i, qb, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_q, d), lambda i, j, qb, sp: (i, j, sp, qb, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda i, j, qb, sp: (i, j, sp, qb)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, h, splits + 1, n_pad, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, h, splits + 1, n_pad), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths.astype(jnp.int32), qt, kt, vt, words)
+    # merge the splits: weights exp(lse_s - lse_total); empty splits have lse = -inf
+    total = jax.nn.logsumexp(lse, axis=2, keepdims=True)
+    merged = jnp.sum(out * jnp.exp(lse - total)[..., None], axis=2)  # (B, H, Np, D)
+    return merged[:, :, :n].transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array, *,
+                   implementation: str | None = None,
+                   tuning: TreeAttentionTuning = TreeAttentionTuning()) -> jax.Array:
+    """Entry point: implementation None picks "pallas" on GPU and "xla" (the reference) elsewhere;
+    "pallas_interpret" runs the kernel's semantics anywhere (tests)."""
+    if implementation is None:
+        implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if implementation == "xla":
+        return tree_attention_reference(q, k, v, lengths, tree_words)
+    if implementation in ("pallas", "pallas_interpret"):
+        return tree_attention_pallas(q, k, v, lengths, tree_words, tuning=tuning,
+                                     interpret=implementation == "pallas_interpret")
+    raise ValueError(f"unknown tree attention implementation {implementation!r}; "
+                     "use xla, pallas or pallas_interpret")
+
+
+def random_tree_parents(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
+    """Parent arrays for tests and benchmarks: chain, star, deep, wide or random (parents first)."""
+    if kind == "chain":
+        return np.arange(-1, n - 1)
+    if kind == "star":
+        return np.array([-1] + [0] * (n - 1))
+    if kind == "deep":  # two long branches
+        return np.array([-1] + [max(0, i - 2) for i in range(1, n)])
+    if kind == "wide":  # fan-out of 8 per node
+        return np.array([-1] + [(i - 1) // 8 for i in range(1, n)])
+    return np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+
+
+def ancestors_from_parents(parents: np.ndarray) -> np.ndarray:
+    n = len(parents)
+    anc = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        if parents[i] >= 0:
+            anc[i] |= anc[parents[i]]
+    return anc
