@@ -22,6 +22,7 @@ from jetspec_jax import sharding
 from jetspec_jax.loading.head_checkpoint import save_head
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.params import init_params
+from jetspec_jax.provenance import write_json_atomic
 from jetspec_jax.target import Target
 
 from .config import TrainConfig
@@ -246,8 +247,7 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
         truncate_metrics(metrics_path, start)
     else:
         start = 0
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
+        write_json_atomic(os.path.join(run_dir, "config.json"), cfg.to_dict())
     batches = batch_iterator(ds, data_state)
     tokens_per_step = global_batch * cfg.data.seq_len
     bar = tqdm(total=cfg.optim.total_steps, initial=start, desc=cfg.run.name, dynamic_ncols=True)

@@ -1,0 +1,54 @@
+"""Where a result came from (hardware, versions, command, commit) and atomic JSON writes, shared by
+benchmarks, training exports and evaluation reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+
+def environment() -> dict[str, Any]:
+    info = {
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "platform": platform.platform(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for name in ("flax", "transformers", "torch"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                            check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        # the device machine gets the tree without .git: the caller passes the commit in
+        info["git_commit"] = os.environ.get("JETSPEC_COMMIT")
+    return info
+
+
+def write_json_atomic(path: str, payload: Any) -> None:
+    """Writes to a temporary file beside the target, then renames: readers never see half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
