@@ -32,7 +32,8 @@ def environment() -> dict[str, Any]:
             pass
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                            check=True).stdout.strip()
+                                            check=True, cwd=os.path.dirname(os.path.abspath(__file__))
+                                            ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         # the device machine gets the tree without .git: the caller passes the commit in
         info["git_commit"] = os.environ.get("JETSPEC_COMMIT")

@@ -1,0 +1,124 @@
+"""python -m jetspec_jax.eval run [--benchmarks ...] [--methods ...] [--budgets ...] [--limit N] ...
+python -m jetspec_jax.eval report RESULTS.jsonl [...] [--out DIR]
+
+`run` times every prompt alone through AR and the speculative methods and appends one JSON line per
+run to the results file (a restart resumes); `report` turns results files into report.md, report.json
+and plots."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
+
+from .datasets import BENCHMARKS
+from .heads import ATTENTION_OF_ROLE
+from .report import write_report
+from .runner import DEFAULT_BUDGETS, DEFAULT_RESULTS, METHODS, RESULTS_DIR, EvalConfig, run_eval
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage mistakes print one `error:` line and exit 2, like every other bad input here."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_heads(values: list[str]) -> dict[str, str]:
+    heads = {}
+    for value in values:
+        role, sep, path = value.partition("=")
+        if not sep or role not in ATTENTION_OF_ROLE or not path:
+            raise ValueError(f"--heads {value!r}: expected ROLE=DIR with ROLE one of "
+                             f"{', '.join(ATTENTION_OF_ROLE)}")
+        heads[role] = path
+    return heads
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="python -m jetspec_jax.eval", description=__doc__.split("\n\n")[1])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
+    run = sub.add_parser("run", help="generate, time and score; appends to the results file")
+    run.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), metavar="NAME",
+                     help=f"any of {', '.join(BENCHMARKS)} (default: all)")
+    run.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
+                     help=f"any of {', '.join(METHODS)} (default: all; ar always runs, as the baseline)")
+    run.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS), metavar="B",
+                     help="tree nodes per verify pass for jetspec/ddtree (dflash runs one chain as long as "
+                          "its head's block)")
+    run.add_argument("--temperatures", nargs="+", type=float, default=[0.0], metavar="T",
+                     help="0 = greedy (compared token by token with AR); 1 = sampling")
+    run.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
+    run.add_argument("--max-new-tokens", type=int, default=512)
+    run.add_argument("--width", type=int, default=7, help="candidates per depth for the tree methods")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--data-dir", default=None,
+                     help=f"folder with the benchmark files (default: {DEFAULT_DATA_DIR})")
+    run.add_argument("--results", default=DEFAULT_RESULTS,
+                     help="JSONL file to append to and resume from (default: eval/results/results.jsonl)")
+    run.add_argument("--heads", nargs="+", action="extend", default=[], metavar="ROLE=DIR",
+                     help="jetspec=DIR (causal head) and/or bidirectional=DIR (ddtree, dflash); default: "
+                          "the head shipped for the target")
+    run.add_argument("--allow-untrained", action="store_true",
+                     help="run methods that have no trained head with an untrained one instead of skipping")
+    run.add_argument("--model", default=None,
+                     help="target .gguf or HF directory (default: the embedded model)")
+    run.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                     help="default: bf16 on GPU, fp32 on CPU")
+    run.add_argument("--matmul-precision", choices=["default", "high", "highest"], default=None,
+                     help="jax matmul precision (default: highest for float32, whose T=0 outputs must "
+                          "equal AR's exactly; jax's default otherwise)")
+    run.add_argument("--code-timeout", type=float, default=10.0, help="seconds per HumanEval/MBPP program")
+    run.add_argument("--no-progress", action="store_true")
+    report = sub.add_parser("report", help="report.md, report.json and plots from results files")
+    report.add_argument("results", nargs="+", help="one or more results .jsonl files")
+    report.add_argument("--out", default=RESULTS_DIR, help="output directory (default: eval/results)")
+    return p
+
+
+class CurrentStderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record (test capture swaps it between calls)."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def show_eval_logs() -> None:
+    """This package's info and warnings on stderr, without jax's own info chatter."""
+    logger = logging.getLogger(__package__)
+    if not logger.handlers:
+        handler = CurrentStderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    show_eval_logs()
+    try:
+        if args.command == "run":
+            config = EvalConfig(
+                benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
+                temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
+                width=args.width, seed=args.seed, data_dir=args.data_dir, results=args.results,
+                head_dirs=parse_heads(args.heads), allow_untrained=args.allow_untrained, model=args.model,
+                dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,
+                progress=not args.no_progress)
+            summary = run_eval(config, command=["python", "-m", "jetspec_jax.eval",
+                                                *(sys.argv[1:] if argv is None else argv)])
+            print(f"{args.results}: {summary['written']} lines written, {summary['skipped']} already there")
+        else:
+            paths = write_report(args.results, args.out)
+            print("\n".join(paths))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

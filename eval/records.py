@@ -1,0 +1,108 @@
+"""Results files: one JSON line per (benchmark, id, method, budget, temperature), appended and flushed
+as runs finish, plus a `<results>.meta.json` sidecar holding the settings, commands and environment."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+from typing import Iterable
+
+from jetspec_jax.provenance import environment, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+KEY_FIELDS = ("benchmark", "id", "method", "budget", "temperature")
+
+
+def line_key(line: dict) -> tuple:
+    return tuple(line[k] for k in KEY_FIELDS)
+
+
+def meta_path(results_path: str) -> str:
+    return results_path + ".meta.json"
+
+
+def read_lines(path: str) -> list[dict]:
+    """Every complete JSON line of a results file (a torn last line from a crash is skipped)."""
+    if not os.path.isfile(path):
+        return []
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        for number, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                log.warning("%s:%d is not a complete JSON line; ignored", path, number)
+    return lines
+
+
+def drop_torn_tail(path: str) -> None:
+    """Cuts a partial last line (a crash mid-write) so the next append starts on a fresh line."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        keep = data.rfind(b"\n") + 1
+        log.warning("%s ends in a partial line (%d bytes); removing it", path, len(data) - keep)
+        f.truncate(keep)
+
+
+class ResultsWriter:
+    """Appends lines, flushed one by one, so an interrupted run keeps everything it finished."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        drop_torn_tail(path)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, line: dict) -> None:
+        self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_meta(results_path: str) -> dict | None:
+    path = meta_path(results_path)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_compatible(results_path: str, settings: dict, heads: dict[str, str | None]) -> None:
+    """Raises if the file was made with other settings or another head for a role, since new lines
+    would not be comparable with its old ones (a later run may add heads for new roles)."""
+    meta = read_meta(results_path)
+    if meta is None:
+        return
+    changed = sorted(k for k in set(meta["settings"]) | set(settings)
+                     if meta["settings"].get(k) != settings.get(k))
+    changed += [f"{role} head" for role, sha in heads.items() if meta["heads"].get(role, sha) != sha]
+    if changed:
+        raise ValueError(f"{results_path} was made with different settings ({', '.join(changed)}); "
+                         "resume with the same ones or write to a new --results file")
+
+
+def record_run(results_path: str, settings: dict, heads: dict[str, str | None],
+               command: Iterable[str]) -> int:
+    """Adds this run (command, environment, time) to the sidecar; returns the run's index."""
+    check_compatible(results_path, settings, heads)
+    meta = read_meta(results_path) or {"settings": settings, "heads": {}, "runs": []}
+    meta["heads"].update(heads)
+    meta["runs"].append({"command": shlex.join(command), "environment": environment()})
+    write_json_atomic(meta_path(results_path), meta)
+    return len(meta["runs"]) - 1

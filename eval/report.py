@@ -1,0 +1,276 @@
+"""Turns results files into report.md (tables per benchmark, method, budget and temperature),
+report.json and speedup/tau-vs-budget plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter, defaultdict
+from typing import Any
+
+from jetspec_jax.provenance import write_json_atomic
+
+from .datasets import BENCHMARKS
+from .records import line_key, read_lines, read_meta
+
+log = logging.getLogger(__name__)
+
+METHOD_ORDER = ("ar", "dflash", "ddtree", "jetspec")
+LOSSLESS_NOTE = ("At temperature 0 every speculative method must reproduce AR's tokens exactly. In bf16, "
+                 "argmax near-ties can flip because a tree verify pass reduces in a different order than "
+                 "a one-token step, so a few mismatches can appear there; in fp32 the count must be 0.")
+DEFINITIONS = """\
+- **tau**: tokens committed per target verify pass = sum(generated - 1) / sum(verify passes); the first
+  token comes from the prefill.
+- **decode tok/s**: (generated - 1) tokens / decode seconds, where decode seconds = the timed call minus a
+  prefill-only call (max_new_tokens=1) of the same prompt and method. Device time of one jitted call,
+  compile excluded; prompts run one at a time (batch 1).
+- **speedup**: AR decode seconds per token / the method's, summed over the prompts both ran.
+  **e2e speedup** is the same with prefill included (whole call, all generated tokens).
+- **accuracy**: GSM8K numeric, MATH-500 normalised LaTeX, AIME integer, HumanEval/MBPP pass@1 (tests run
+  in a sandboxed subprocess); MT-Bench has no reference. **= AR** (T=0): every prompt scored as AR's did.
+- **mismatches (T=0)**: prompts whose tokens differ from AR's, out of those compared."""
+
+
+def load_results(paths: list[str]) -> tuple[list[dict], list[dict]]:
+    """(lines deduplicated by key, the later file winning; sidecar metas) of all files."""
+    by_key, metas = {}, []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no results file at {path}")
+        for line in read_lines(path):
+            if line_key(line) in by_key:
+                log.warning("%s repeats %s; the later line is used", path, line_key(line))
+            by_key[line_key(line)] = line
+        meta = read_meta(path)
+        if meta is not None:
+            metas.append({"results": path, **meta})
+    return list(by_key.values()), metas
+
+
+def ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
+    """One dict per (benchmark, method, budget, temperature), ordered for reading."""
+    valid = [line for line in lines if "error" not in line]
+    ar = {(r["benchmark"], r["id"], r["temperature"]): r for r in valid if r["method"] == "ar"}
+    groups = defaultdict(list)
+    for r in valid:
+        groups[(r["benchmark"], r["method"], r["budget"], r["temperature"])].append(r)
+    out = []
+    for (bench, method, budget, temp), rows in groups.items():
+        decoded = sum(map(decoded_tokens, rows))
+        paired = [(r, ar[(bench, r["id"], temp)]) for r in rows if (bench, r["id"], temp) in ar]
+        scored = [r["correct"] for r in rows if r.get("correct") is not None]
+        compared = [r["matches_ar"] for r in rows if r.get("matches_ar") is not None]
+        forwards = sum(r["target_forwards"] or 0 for r in rows)
+        out.append({
+            "benchmark": bench, "method": method, "budget": budget, "temperature": temp, "n": len(rows),
+            "tau": ratio(decoded, forwards) if method != "ar" else None,
+            "decode_tokens_per_second": ratio(decoded, sum(r["decode_seconds"] for r in rows)),
+            "speedup": per_token_ratio(paired, "decode_seconds", decoded_tokens),
+            "e2e_speedup": per_token_ratio(paired, "total_seconds", lambda r: r["num_generated"]),
+            "mean_generated": sum(r["num_generated"] for r in rows) / len(rows),
+            "accuracy": sum(scored) / len(scored) if scored else None,
+            "accuracy_same_as_ar": (all(r.get("correct") == a.get("correct") for r, a in paired)
+                                    if method != "ar" and temp == 0 and paired else None),
+            "mismatches": compared.count(False) if compared else None, "compared": len(compared),
+            "accept_histogram": accept_histogram(rows),
+            "dtype": sorted({r["dtype"] for r in rows}),
+            "matmul_precision": sorted({r.get("matmul_precision") or "default" for r in rows}),
+            "heads": sorted({(r["head"], r["head_sha256"]) for r in rows if r["head"]}, key=str),
+        })
+    return sorted(out, key=reading_order)
+
+
+def reading_order(group: dict) -> tuple:
+    benchmarks = list(BENCHMARKS)
+    bench = benchmarks.index(group["benchmark"]) if group["benchmark"] in benchmarks else len(benchmarks)
+    method = METHOD_ORDER.index(group["method"]) if group["method"] in METHOD_ORDER else len(METHOD_ORDER)
+    return bench, group["benchmark"], group["temperature"], method, group["budget"] or 0
+
+
+def decoded_tokens(line: dict) -> int:
+    return max(line["num_generated"] - 1, 0)
+
+
+def per_token_ratio(paired: list[tuple[dict, dict]], seconds: str, tokens) -> float | None:
+    """(AR seconds per token) / (method seconds per token) over prompts that both ran."""
+    ar_per_token = ratio(sum(a[seconds] for _, a in paired), sum(tokens(a) for _, a in paired))
+    method_per_token = ratio(sum(r[seconds] for r, _ in paired), sum(tokens(r) for r, _ in paired))
+    if not ar_per_token or not method_per_token:
+        return None
+    return ar_per_token / method_per_token
+
+
+def accept_histogram(rows: list[dict]) -> list[float] | None:
+    """Share of verify passes that accepted k = 0, 1, .. drafts."""
+    counts = [r["accept_counts"] for r in rows if r.get("accept_counts")]
+    if not counts:
+        return None
+    total = [sum(c[k] if k < len(c) else 0 for c in counts) for k in range(max(map(len, counts)))]
+    return [t / sum(total) for t in total] if sum(total) else None
+
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def method_label(g: dict) -> str:
+    return g["method"] if g["budget"] is None else f"{g['method']} B={g['budget']}"
+
+
+def summary_table(groups: list[dict]) -> list[str]:
+    """Paper layout: rows (T, method, budget), columns benchmarks, cells speedup/tau."""
+    benches = list(dict.fromkeys(g["benchmark"] for g in groups))
+    rows = defaultdict(dict)
+    for g in groups:
+        if g["method"] != "ar":
+            row = (g["temperature"], METHOD_ORDER.index(g["method"]), g["budget"], g["method"])
+            rows[row][g["benchmark"]] = g
+    out = ["| T | method | B | " + " | ".join(benches) + " |", "|---|---|---|" + "---|" * len(benches)]
+    for (temp, _, budget, method), cells in sorted(rows.items()):
+        texts = [f"{fmt(cells[b]['speedup'])}/{fmt(cells[b]['tau'])}" if b in cells else "" for b in benches]
+        out.append(f"| {temp:g} | {method} | {budget} | " + " | ".join(texts) + " |")
+    return out
+
+
+def benchmark_tables(groups: list[dict]) -> list[str]:
+    out = []
+    for bench in dict.fromkeys(g["benchmark"] for g in groups):
+        rows = [g for g in groups if g["benchmark"] == bench]
+        out += [f"### {bench}", "",
+                "| method | T | n | tau | decode tok/s | speedup | e2e speedup | accuracy | = AR "
+                "| mismatches (T=0) |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for g in rows:
+            mism = f"{g['mismatches']}/{g['compared']}" if g["mismatches"] is not None else "-"
+            out.append(f"| {method_label(g)} | {g['temperature']:g} | {g['n']} | {fmt(g['tau'])} | "
+                       f"{fmt(g['decode_tokens_per_second'], 1)} | {fmt(g['speedup'])} | "
+                       f"{fmt(g['e2e_speedup'])} | "
+                       f"{fmt(g['accuracy'], 3)} | {fmt(g['accuracy_same_as_ar'])} | {mism} |")
+        hist = [g for g in rows if g["accept_histogram"]]
+        if hist:
+            width = 1 + max(k for g in hist for k, share in enumerate(g["accept_histogram"]) if share > 0)
+            out += ["", "Acceptance per verify pass (% of passes that accepted k drafts):", "",
+                    "| method | T | " + " | ".join(f"k={k}" for k in range(width)) + " |",
+                    "|---|---|" + "---|" * width]
+            for g in hist:
+                shares = (g["accept_histogram"] + [0.0] * width)[:width]
+                out.append(f"| {method_label(g)} | {g['temperature']:g} | "
+                           + " | ".join(f"{100 * s:.0f}" for s in shares) + " |")
+        out.append("")
+    return out
+
+
+def header(paths: list[str], metas: list[dict], groups: list[dict]) -> list[str]:
+    out = ["# JetSpec evaluation report", "", f"Results: {', '.join(paths)}", ""]
+    for meta in metas:
+        settings = meta.get("settings", {})
+        out.append(f"- `{meta['results']}`: target {settings.get('target')}, {settings.get('dtype')} "
+                   f"(matmul precision {settings.get('matmul_precision')}), max_new_tokens {settings.get('max_new_tokens')}, width {settings.get('width')}, "
+                   f"seed {settings.get('seed')}")
+        for run in meta.get("runs", []):
+            env = run["environment"]
+            devices = ", ".join(f"{n}x {kind}" for kind, n in Counter(env.get("devices", [])).items())
+            out.append(f"  - `{run['command']}` ({env.get('date_utc')}; {env.get('backend')}: {devices}; "
+                       f"{env.get('platform')}; python {env.get('python')}, jax {env.get('jax')}, "
+                       f"flax {env.get('flax')}, transformers {env.get('transformers')}; "
+                       f"commit {env.get('git_commit')})")
+    heads = sorted({h for g in groups for h in map(tuple, g["heads"])}, key=str)
+    out += ["", "Draft heads (sha256 of head.safetensors):", ""]
+    out += [f"- {name}: `{sha}`" if sha else f"- {name}: random initialisation, no weights file"
+            for name, sha in heads] or ["- none"]
+    return out + [""]
+
+
+def lossless_lines(groups: list[dict]) -> list[str]:
+    total = sum(g["mismatches"] or 0 for g in groups)
+    fp32 = [g for g in groups if g["dtype"] == ["float32"] and g["mismatches"]]
+    exact = sum(g["mismatches"] for g in fp32 if g["matmul_precision"] == ["highest"])
+    out = [LOSSLESS_NOTE, "", f"Mismatched prompts at T=0: {total} "
+           f"(of {sum(g['compared'] for g in groups)} compared)."]
+    if exact:
+        out.append(f"**{exact} mismatches in fp32 with full-precision matmuls: speculative decoding is "
+                   "not exact here; this is a bug.**")
+    if sum(g["mismatches"] for g in fp32) > exact:
+        out.append("Some fp32 mismatches ran with reduced-precision (e.g. TF32) matmuls, which round like "
+                   "bf16; rerun with --matmul-precision highest to check exactness.")
+    return out + [""]
+
+
+def plot_vs_budget(groups: list[dict], field: str, ylabel: str, path: str) -> None:
+    """One panel per benchmark, one colour per method, solid T=0 and dashed T>0; dflash is one point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = list(dict.fromkeys(g["benchmark"] for g in groups))
+    cols = min(3, len(benches))
+    rows = -(-len(benches) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
+    for ax, bench in zip(axes.flat, benches):
+        series = defaultdict(list)
+        for g in groups:
+            if g["benchmark"] == bench and g["method"] != "ar" and g[field] is not None:
+                series[(g["method"], g["temperature"])].append((g["budget"], g[field]))
+        for (method, temp), points in sorted(series.items()):
+            points.sort()
+            color = f"C{METHOD_ORDER.index(method)}" if method in METHOD_ORDER else None
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=color,
+                    linestyle="-" if temp == 0 else "--", label=f"{method} T={temp:g}")
+        if field == "speedup":
+            ax.axhline(1.0, color="gray", linewidth=0.8)
+        budgets = sorted({p[0] for points in series.values() for p in points})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_title(bench)
+        ax.set_xlabel("budget (tree nodes)")
+        ax.set_ylabel(ylabel)
+        if series:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(benches):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(paths: list[str], out_dir: str) -> list[str]:
+    """Writes report.md, report.json, speedup_vs_budget.png and tau_vs_budget.png; returns their paths."""
+    lines, metas = load_results(paths)
+    groups = group_metrics(lines)
+    if not groups:
+        raise ValueError(f"no usable result lines in {', '.join(paths)}")
+    os.makedirs(out_dir, exist_ok=True)
+    plots = {"speedup": ("speedup_vs_budget.png", "decode speedup vs AR"),
+             "tau": ("tau_vs_budget.png", "tau")}
+    for field, (name, ylabel) in plots.items():
+        plot_vs_budget(groups, field, ylabel, os.path.join(out_dir, name))
+    errors = [line for line in lines if "error" in line]
+    md = header(paths, metas, groups)
+    md += ["## Definitions", "", DEFINITIONS, "", "## Lossless check", ""] + lossless_lines(groups)
+    if errors:
+        md += [f"{len(errors)} runs failed and are left out (see their `error` field).", ""]
+    md += ["## Summary: speedup/tau", ""] + summary_table(groups) + ["", "## Per benchmark", ""]
+    md += benchmark_tables(groups)
+    md += ["## Plots", ""] + [f"![{field}]({name})" for field, (name, _) in plots.items()] + [""]
+    md_path, json_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.json")
+    tmp = md_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(md))
+    os.replace(tmp, md_path)
+    write_json_atomic(json_path, {"sources": paths, "runs": metas, "groups": groups,
+                                  "failed_runs": len(errors)})
+    return [md_path, json_path] + [os.path.join(out_dir, name) for name, _ in plots.values()]

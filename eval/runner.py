@@ -1,0 +1,271 @@
+"""Timed evaluation runs: every prompt alone (batch 1) through AR and the speculative methods at each
+budget and temperature, scored and compared with AR, one JSON line per run; restarts resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from jetspec_jax.generate import encode_prompts, generate, pad_prompts, plan_cache_len, stop_tokens
+from jetspec_jax.models import draft_head
+from jetspec_jax.speculative import SpecConfig, speculative_cache_rows
+from jetspec_jax.target import Target, default_dtype, load_target, resolve_target_path
+
+from .datasets import BENCHMARKS, EvalItem, benchmark_path, load_benchmark
+from .heads import ROLE_OF_METHOD, HeadSource, resolve_heads
+from .records import ResultsWriter, check_compatible, line_key, read_lines, record_run
+from .scoring import Score, score_completion
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ar", "dflash", "ddtree", "jetspec")
+DEFAULT_BUDGETS = (16, 32, 64, 128, 256)
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_RESULTS = os.path.join(RESULTS_DIR, "results.jsonl")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    benchmarks: tuple[str, ...] = tuple(BENCHMARKS)
+    methods: tuple[str, ...] = METHODS
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    temperatures: tuple[float, ...] = (0.0,)
+    limit: int | None = None
+    max_new_tokens: int = 512
+    width: int = 7
+    seed: int = 0
+    data_dir: str | None = None
+    results: str = DEFAULT_RESULTS
+    head_dirs: dict = dataclasses.field(default_factory=dict)  # role ("jetspec"/"bidirectional") -> dir
+    allow_untrained: bool = False
+    model: str | None = None
+    dtype: str | None = None
+    matmul_precision: str | None = None  # None: "highest" for float32 (exactness checks), else jax's
+    code_timeout: float = 10.0
+    progress: bool = True
+
+    def __post_init__(self):
+        problems = [f"unknown benchmark {b!r} (known: {', '.join(BENCHMARKS)})"
+                    for b in self.benchmarks if b not in BENCHMARKS]
+        problems += [f"unknown method {m!r} (known: {', '.join(METHODS)})" for m in self.methods
+                     if m not in METHODS]
+        problems += [f"budget must be >= 2, got {b}" for b in self.budgets if b < 2]
+        problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures if t < 0]
+        if self.matmul_precision not in (None, "default", "high", "highest"):
+            problems.append(f"matmul_precision must be default, high or highest, got "
+                            f"{self.matmul_precision!r}")
+        if self.max_new_tokens < 2:
+            problems.append(f"max_new_tokens must be >= 2 (1 is the prefill-only call), got "
+                            f"{self.max_new_tokens}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One line of the results file: a prompt through one method at one budget and temperature."""
+    item: EvalItem
+    method: str
+    budget: int | None  # None for ar
+    temperature: float
+
+    @property
+    def key(self) -> tuple:
+        return (self.item.benchmark, self.item.id, self.method, self.budget, self.temperature)
+
+
+def method_budgets(methods, budgets, heads: dict[str, HeadSource]) -> list[tuple[str, int | None]]:
+    """(method, budget) in run order: ar first (the others are compared with it), dflash once as a
+    chain as long as its head's block, tree methods at every budget; methods without a head drop."""
+    plan = [("ar", None)]
+    for method in methods:
+        if method == "ar" or ROLE_OF_METHOD[method] not in heads:
+            continue
+        if method == "dflash":
+            plan.append((method, heads[ROLE_OF_METHOD[method]].block_size))
+        else:
+            plan.extend((method, b) for b in sorted(set(budgets)))
+    return plan
+
+
+def plan_runs(config: EvalConfig, heads: dict[str, HeadSource]) -> list[RunSpec]:
+    plan = method_budgets(config.methods, config.budgets, heads)
+    return [RunSpec(item, method, budget, float(t))
+            for name in config.benchmarks for item in load_benchmark(name, config.data_dir, config.limit)
+            for t in config.temperatures for method, budget in plan]
+
+
+class Evaluator:
+    """Holds the target and heads, times generations, and turns each RunSpec into a results line."""
+
+    def __init__(self, config: EvalConfig, target: Target, heads: dict[str, HeadSource], run_index: int,
+                 ar_tokens: dict[tuple, list[int]], matmul_precision: str):
+        self.config, self.target, self.run_index = config, target, run_index
+        self.matmul_precision = matmul_precision
+        self.heads = heads
+        self.head_params = {role: h.load(target, config.seed) for role, h in heads.items()}
+        for head_cfg, _ in self.head_params.values():
+            draft_head.check_pairing(head_cfg, target.cfg)  # a head for another target fails here, once
+        self.ar_tokens = ar_tokens  # (benchmark, id, temperature) -> AR tokens, for the T=0 comparison
+        self.prefill_seconds: dict[tuple, float] = {}  # (benchmark, id, method)
+        self.scores: dict[tuple, Score] = {}  # (benchmark, id, text): identical outputs score once
+        self.prefill_budget: dict[str, int | None] = {}  # each method's smallest budget
+        for method, budget in method_budgets(config.methods, config.budgets, heads):
+            self.prefill_budget.setdefault(method, budget)
+        self.target_name = os.path.basename(os.path.normpath(target.source))
+        self.dtype = str(target.params["embed"].dtype)
+
+    def head(self, method: str):
+        return None if method == "ar" else self.head_params[ROLE_OF_METHOD[method]]
+
+    def cache_len(self, prompt: str, method: str, budget: int | None) -> int:
+        """Cache rows sized by the padded prompt, not its exact length, so prompts of one bucket share
+        compiled programs; passed to the prefill-only call too, so both calls have the same shapes."""
+        ids = encode_prompts(self.target.tokenizer, [prompt])
+        width = pad_prompts(ids, 0)[0].shape[1]
+        extra = 0
+        if method != "ar":
+            depth = SpecConfig(method, budget, self.config.width).depth(self.head(method)[0].max_depth)
+            extra = speculative_cache_rows(budget, depth)
+        plan_cache_len(width, len(ids[0]), self.config.max_new_tokens,  # raises if it cannot fit
+                       self.target.cfg.max_position_embeddings, None, extra)
+        return -(-(width + self.config.max_new_tokens + extra) // 64) * 64
+
+    def timed_generate(self, prompt: str, method: str, budget: int | None, temperature: float,
+                       max_new_tokens: int, cache_len: int):
+        tree = {} if budget is None else {"budget": budget, "width": self.config.width}
+
+        def call():
+            return generate(prompt, self.target, method=method, head=self.head(method), **tree,
+                            max_new_tokens=max_new_tokens, temperature=temperature, seed=self.config.seed,
+                            max_cache_len=cache_len)
+        result = call()
+        # the first run of a freshly compiled executable pays one-time costs; time a warm one
+        return call() if result.compile_seconds > 0 else result
+
+    def prefill_time(self, spec: RunSpec) -> float:
+        """Prefill-only call (max_new_tokens=1), once per prompt and method, with the cache of the
+        method's smallest budget (the closest to AR's, so decode time is not flattered)."""
+        key = (spec.item.benchmark, spec.item.id, spec.method)
+        if key not in self.prefill_seconds:
+            budget = self.prefill_budget[spec.method]
+            cache_len = self.cache_len(spec.item.prompt, spec.method, budget)
+            result = self.timed_generate(spec.item.prompt, spec.method, budget, spec.temperature,
+                                         max_new_tokens=1, cache_len=cache_len)
+            self.prefill_seconds[key] = result.generate_seconds
+        return self.prefill_seconds[key]
+
+    def score(self, item: EvalItem, text: str) -> Score:
+        key = (item.benchmark, item.id, text)
+        if key not in self.scores:
+            self.scores[key] = score_completion(item, text, self.config.code_timeout)
+        return self.scores[key]
+
+    def run(self, spec: RunSpec) -> dict[str, Any]:
+        item, method, config = spec.item, spec.method, self.config
+        role = ROLE_OF_METHOD.get(method)
+        head = self.heads[role] if role else None
+        line = {"benchmark": item.benchmark, "id": item.id, "method": method, "budget": spec.budget,
+                "temperature": spec.temperature,
+                "width": config.width if method in ("jetspec", "ddtree") else None,
+                "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
+                "dtype": self.dtype, "matmul_precision": self.matmul_precision,
+                "head": head.name if head else None,
+                "head_sha256": head.sha256 if head else None, "run": self.run_index}
+        try:
+            cache_len = self.cache_len(item.prompt, method, spec.budget)
+        except ValueError as e:  # the prompt and new tokens exceed the model's positions
+            log.warning("%s %s %s budget %s: %s", item.benchmark, item.id, method, spec.budget, e)
+            return {**line, "error": str(e)}
+        result = self.timed_generate(item.prompt, method, spec.budget, spec.temperature,
+                                     config.max_new_tokens, cache_len)
+        prefill = self.prefill_time(spec)
+        tokens = result.token_ids[0]
+        score = self.score(item, result.texts[0])
+        line.update({
+            "prompt_tokens": len(result.prompt_token_ids[0]), "num_generated": len(tokens),
+            "stopped": bool(tokens) and tokens[-1] in stop_tokens(self.target),
+            "total_seconds": result.generate_seconds, "prefill_seconds": prefill,
+            "decode_seconds": max(result.generate_seconds - prefill, 0.0),
+            "target_forwards": result.target_forwards, "tau": result.tau,
+            "accept_counts": result.accept_counts,
+            "correct": score.correct, "extracted": score.extracted,
+        })
+        line.update(self.compare_with_ar(spec, tokens))
+        line["text"] = result.texts[0]
+        return line
+
+    def compare_with_ar(self, spec: RunSpec, tokens: list[int]) -> dict[str, Any]:
+        """AR lines keep their tokens (later comparisons and resumes read them); at T=0 other methods
+        record whether they match, and their tokens only when they do not."""
+        key = (spec.item.benchmark, spec.item.id, spec.temperature)
+        if spec.method == "ar":
+            self.ar_tokens[key] = tokens
+            return {"matches_ar": None, "first_mismatch": None, "token_ids": tokens}
+        reference = self.ar_tokens.get(key)
+        if spec.temperature != 0 or reference is None:
+            return {"matches_ar": None, "first_mismatch": None}
+        if tokens == reference:
+            return {"matches_ar": True, "first_mismatch": None}
+        first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
+                     min(len(tokens), len(reference)))
+        return {"matches_ar": False, "first_mismatch": first, "token_ids": tokens}
+
+
+def set_matmul_precision(config: EvalConfig, dtype: str) -> str:
+    """fp32 runs check exactness, so they default to full-precision matmuls (a GPU's default TF32
+    rounds like bf16 would); returns the precision in force."""
+    precision = config.matmul_precision or ("highest" if dtype == "float32" else None)
+    if precision is not None:
+        jax.config.update("jax_default_matmul_precision", precision)
+    return jax.config.jax_default_matmul_precision or "default"
+
+
+def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: str) -> dict[str, Any]:
+    """What must not change between runs appending to one results file."""
+    return {"target": target_name, "dtype": dtype, "matmul_precision": precision,
+            "max_new_tokens": config.max_new_tokens, "width": config.width, "seed": config.seed}
+
+
+def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> dict[str, int]:
+    """Runs what the results file lacks; returns {"written", "skipped"}. Loads the target only when
+    something is left to run."""
+    for name in config.benchmarks:
+        benchmark_path(name, config.data_dir)  # first, so a bad --data-dir is one error line, no warnings
+    target_source = target.source if target is not None else resolve_target_path(config.model)
+    heads = resolve_heads(config.methods, config.head_dirs, target_source, config.allow_untrained)
+    if "ar" not in config.methods:
+        log.info("adding ar: every method is timed and checked against it")
+    target_name = os.path.basename(os.path.normpath(target_source))
+    dtype = str(jnp.dtype(target.params["embed"].dtype if target is not None
+                          else config.dtype or default_dtype()))
+    settings = run_settings(config, target_name, dtype, set_matmul_precision(config, dtype))
+    head_ids = {role: h.sha256 or h.name for role, h in heads.items()}
+    check_compatible(config.results, settings, head_ids)
+    specs = plan_runs(config, heads)
+    existing = read_lines(config.results)
+    done = {line_key(line) for line in existing}
+    todo = [s for s in specs if s.key not in done]
+    if not todo:
+        log.info("%s already holds all %d runs; nothing to do", config.results, len(specs))
+        return {"written": 0, "skipped": len(specs)}
+    run_index = record_run(config.results, settings, head_ids, sys.argv if command is None else command)
+    if target is None:
+        target = load_target(config.model, dtype=config.dtype)
+    ar_tokens = {(line["benchmark"], line["id"], line["temperature"]): line["token_ids"]
+                 for line in existing if line["method"] == "ar" and "token_ids" in line}
+    evaluator = Evaluator(config, target, heads, run_index, ar_tokens, settings["matmul_precision"])
+    with ResultsWriter(config.results) as writer, tqdm(total=len(specs), initial=len(specs) - len(todo),
+                                                       disable=not config.progress, desc="eval") as bar:
+        for spec in todo:
+            bar.set_postfix_str(f"{spec.item.benchmark} {spec.item.id} {spec.method} {spec.budget or ''}")
+            writer.write(evaluator.run(spec))
+            bar.update()
+    return {"written": len(todo), "skipped": len(specs) - len(todo)}

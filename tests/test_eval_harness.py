@@ -1,0 +1,160 @@
+"""The eval harness end to end on the embedded model: `run` writes one line per run with AR-identical
+tokens in fp32, resumes without regenerating, `report` writes the tables and plots; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from jetspec_jax.eval import runner
+from jetspec_jax.eval.__main__ import main
+from jetspec_jax.eval.heads import file_sha256, resolve_heads
+from jetspec_jax.eval.records import line_key, meta_path, read_lines
+from jetspec_jax.loading.head_checkpoint import WEIGHTS_FILE, packaged_head_path
+from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(DEFAULT_DATA_DIR), reason=f"no data at {DEFAULT_DATA_DIR}")
+
+RUN_ARGS = ["run", "--benchmarks", "gsm8k", "humaneval", "--methods", "ar", "jetspec", "--budgets", "16",
+            "--temperatures", "0", "--limit", "2", "--max-new-tokens", "12", "--no-progress"]
+
+
+def run_cli(results) -> int:
+    return main(RUN_ARGS + ["--results", str(results)])
+
+
+def exit_code(argv) -> int:
+    """main's return code, or argparse's exit code for usage errors."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.fixture(scope="module")
+def finished_run(embedded_target, tmp_path_factory):
+    """The CLI with the session's embedded target standing in for a fresh load."""
+    results = tmp_path_factory.mktemp("eval") / "results.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "load_target", lambda *args, **kwargs: embedded_target)
+        assert run_cli(results) == 0
+    return results, embedded_target
+
+
+def test_run_writes_one_line_per_run(finished_run):
+    results, target = finished_run
+    lines = read_lines(str(results))
+    keys = [line_key(line) for line in lines]
+    assert keys == [(b, i, m, budget, 0.0) for b, ids in (("gsm8k", ("0", "1")),
+                                                          ("humaneval", ("HumanEval/0", "HumanEval/1")))
+                    for i in ids for m, budget in (("ar", None), ("jetspec", 16))]
+    head_sha = file_sha256(os.path.join(packaged_head_path(target.source, "jetspec"), WEIGHTS_FILE))
+    for line in lines:
+        assert line["dtype"] == "float32" and line["matmul_precision"] == "highest"
+        assert 1 <= line["num_generated"] <= 12
+        assert line["decode_seconds"] >= 0 and line["prefill_seconds"] > 0
+        assert line["correct"] in (True, False) and isinstance(line["text"], str)
+        if line["method"] == "ar":
+            assert line["head_sha256"] is None and len(line["token_ids"]) == line["num_generated"]
+        else:
+            assert line["head_sha256"] == head_sha and line["tau"] >= 1
+            assert sum(line["accept_counts"]) == line["target_forwards"]
+    meta = json.loads(open(meta_path(str(results))).read())
+    assert meta["settings"]["max_new_tokens"] == 12 and "--limit 2" in meta["runs"][0]["command"]
+    assert meta["heads"] == {"jetspec": head_sha}
+
+
+def test_jetspec_tokens_equal_ar_in_fp32(finished_run):
+    lines = read_lines(str(finished_run[0]))
+    spec = [r for r in lines if r["method"] == "jetspec"]
+    assert len(spec) == 4 and all(r["matches_ar"] is True and "token_ids" not in r for r in spec)
+    ar_text = {(r["benchmark"], r["id"]): r["text"] for r in lines if r["method"] == "ar"}
+    assert all(r["text"] == ar_text[(r["benchmark"], r["id"])] for r in spec)
+
+
+def test_report_writes_markdown_json_and_plots(finished_run, tmp_path):
+    results, _ = finished_run
+    assert main(["report", str(results), "--out", str(tmp_path)]) == 0
+    names = {"report.md", "report.json", "speedup_vs_budget.png", "tau_vs_budget.png"}
+    assert names <= set(os.listdir(tmp_path))
+    assert all(os.path.getsize(tmp_path / n) > 0 for n in names)
+    md = (tmp_path / "report.md").read_text()
+    assert "fp32 the count must be 0" in md and "Mismatched prompts at T=0: 0 (of 4 compared)" in md
+    assert "### gsm8k" in md and "### humaneval" in md and "jetspec B=16" in md
+    groups = json.loads((tmp_path / "report.json").read_text())["groups"]
+    spec = [g for g in groups if g["method"] == "jetspec"]
+    assert len(spec) == 2 and all(g["n"] == 2 and g["mismatches"] == 0 and g["tau"] >= 1 for g in spec)
+    assert all(g["accuracy_same_as_ar"] is True and g["speedup"] > 0 for g in spec)
+
+
+def test_rerun_resumes_without_generating(finished_run, monkeypatch):
+    results, _ = finished_run
+    before = results.read_text()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished run must not generate or load the model again")
+    monkeypatch.setattr(runner, "generate", fail)
+    monkeypatch.setattr(runner, "load_target", fail)
+    assert run_cli(results) == 0
+    assert results.read_text() == before
+
+
+def test_interrupted_run_completes_the_missing_lines(finished_run, tmp_path, monkeypatch):
+    """A crash mid-write leaves a torn line: it is dropped and only the missing run is redone, compared
+    with the AR tokens already on disk."""
+    results, target = finished_run
+    lines = results.read_text().splitlines(keepends=True)
+    partial = tmp_path / "results.jsonl"
+    partial.write_text("".join(lines[:-1]) + lines[-1][:40])
+    (tmp_path / "results.jsonl.meta.json").write_text(open(meta_path(str(results))).read())
+    monkeypatch.setattr(runner, "load_target", lambda *args, **kwargs: target)
+    assert run_cli(partial) == 0
+    redone = read_lines(str(partial))
+    assert len(redone) == 8 and redone[:7] == read_lines(str(results))[:7]
+    assert redone[-1]["id"] == "HumanEval/1" and redone[-1]["method"] == "jetspec"
+    assert redone[-1]["matches_ar"] is True and redone[-1]["run"] == 1
+
+
+def test_changed_settings_are_refused(finished_run, capsys):
+    results, _ = finished_run
+    assert main(RUN_ARGS[:-3] + ["--max-new-tokens", "13", "--no-progress", "--results", str(results)]) == 2
+    assert "different settings (max_new_tokens)" in capsys.readouterr().err
+
+
+def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog):
+    _, target = finished_run
+    methods = ("ar", "dflash", "ddtree", "jetspec")
+    with caplog.at_level(logging.WARNING):
+        heads = resolve_heads(methods, {}, target.source, allow_untrained=False)
+    assert set(heads) == {"jetspec"}
+    assert "skipping ddtree" in caplog.text and "skipping dflash" in caplog.text
+    heads = resolve_heads(methods, {}, target.source, allow_untrained=True)
+    assert heads["bidirectional"].path is None and heads["bidirectional"].sha256 is None
+    plan = runner.method_budgets(methods, (64, 16), heads)
+    assert plan == [("ar", None), ("dflash", 16), ("ddtree", 16), ("ddtree", 64), ("jetspec", 16),
+                    ("jetspec", 64)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--benchmarks", "gsm9k"], "unknown benchmark 'gsm9k'"),
+    (["--methods", "eagle"], "unknown method 'eagle'"),
+    (["--budgets", "1"], "budget must be >= 2"),
+    (["--heads", "jetspec=/no/such/head"], "no draft head at /no/such/head"),
+    (["--heads", "causal=/tmp"], "expected ROLE=DIR"),
+    (["--data-dir", "/no/such/data"], "does not exist; point --data-dir"),
+    (["--limit"], "expected one argument"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("bad input loaded the model"))
+    code = exit_code(["run", "--results", str(tmp_path / "r.jsonl"), "--no-progress", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error:") and message in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "r.jsonl")
+
+
+def test_report_of_missing_file_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
+    assert "no results file" in capsys.readouterr().err

@@ -1,0 +1,65 @@
+"""Eval report arithmetic on hand-made result lines: tau, speedups over paired prompts, accuracy
+against AR, T=0 mismatch counts (an fp32 mismatch is flagged as a bug), histograms, failed runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jetspec_jax.eval.report import group_metrics, write_report
+
+
+def line(method, budget, id="0", *, generated=11, decode=1.0, total=1.5, forwards=None, accepts=None,
+         correct=True, matches=None, dtype="float32", precision="highest", temperature=0.0,
+         benchmark="gsm8k"):
+    speculative = method != "ar"
+    return {"benchmark": benchmark, "id": id, "method": method, "budget": budget,
+            "temperature": temperature, "num_generated": generated, "decode_seconds": decode,
+            "total_seconds": total, "target_forwards": forwards, "accept_counts": accepts,
+            "correct": correct, "matches_ar": matches, "dtype": dtype, "matmul_precision": precision,
+            "head": "heads/h" if speculative else None, "head_sha256": "abc" if speculative else None,
+            "text": ""}
+
+
+def write_lines(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_group_metrics():
+    lines = [line("ar", None), line("ar", None, id="1", generated=21, decode=2.0, total=2.5, correct=False),
+             line("jetspec", 16, decode=0.5, total=1.0, forwards=4, accepts=[0, 1, 2, 1], matches=True),
+             line("jetspec", 16, id="1", generated=21, decode=0.5, total=1.0, forwards=6,
+                  accepts=[1, 2, 3, 0], matches=True),
+             {**line("jetspec", 16, id="2"), "error": "prompt too long"}]
+    groups = {(g["method"], g["budget"]): g for g in group_metrics(lines)}
+    spec = groups[("jetspec", 16)]
+    assert spec["n"] == 2 and spec["tau"] == pytest.approx(30 / 10)
+    assert spec["speedup"] == pytest.approx((3.0 / 30) / (1.0 / 30))
+    assert spec["e2e_speedup"] == pytest.approx((4.0 / 32) / (2.0 / 32))
+    assert spec["accuracy"] == 1.0 and groups[("ar", None)]["accuracy"] == 0.5
+    assert spec["accuracy_same_as_ar"] is False  # prompt 1: right here, wrong for AR
+    assert spec["mismatches"] == 0 and spec["compared"] == 2
+    assert spec["accept_histogram"] == pytest.approx([1 / 10, 3 / 10, 5 / 10, 1 / 10])
+    assert groups[("ar", None)]["tau"] is None and groups[("ar", None)]["speedup"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("dtype, precision, verdict", [
+    ("bfloat16", "default", None), ("float32", "highest", "this is a bug"),
+    ("float32", "default", "rerun with --matmul-precision highest")])
+def test_report_counts_mismatches_and_flags_exact_fp32(tmp_path, dtype, precision, verdict):
+    results = tmp_path / "r.jsonl"
+    kw = dict(dtype=dtype, precision=precision)
+    write_lines(results, [line("ar", None, **kw),
+                          line("jetspec", 32, forwards=5, accepts=[1, 4], matches=False, **kw),
+                          line("ar", None, temperature=1.0, **kw),
+                          line("jetspec", 32, temperature=1.0, forwards=5, accepts=[2, 3], **kw),
+                          {**line("jetspec", 64), "error": "prompt too long"}])
+    paths = write_report([str(results)], str(tmp_path / "out"))
+    md = open(paths[0]).read()
+    assert "Mismatched prompts at T=0: 1 (of 1 compared)" in md
+    for note in ("this is a bug", "rerun with --matmul-precision highest"):
+        assert (note in md) is (note == verdict)
+    assert "1 runs failed" in md and "| 0 | jetspec | 32 |" in md and "| 1 | jetspec | 32 |" in md
+    report = json.loads(open(paths[1]).read())
+    assert report["failed_runs"] == 1 and len(report["groups"]) == 4
