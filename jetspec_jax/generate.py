@@ -192,6 +192,10 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
         head_cfg, head_params = head
         drafter = HeadDrafter(head_cfg, target.cfg)
         spec = SpecConfig(method, budget, width, max_depth)
+        if isinstance(head_cfg.attention, str) and head_cfg.attention != spec.expected_attention():
+            raise ValueError(f"method {method!r} expects a {spec.expected_attention()} head, but this head is "
+                             f"{head_cfg.attention}; use --method "
+                             f"{'jetspec' if head_cfg.attention == 'causal' else 'ddtree or dflash'}")
         extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                    target.cfg.max_position_embeddings, max_cache_len, extra=extra)

@@ -50,6 +50,8 @@ def test_generate_speculative_equals_ar_on_embedded_model(embedded_target):
         assert sum(spec.accept_counts) == spec.target_forwards
     with pytest.raises(ValueError, match="needs a draft head"):
         generate(prompts, embedded_target, method="jetspec")
+    with pytest.raises(ValueError, match="expects a causal head, but this head is bidirectional"):
+        generate(prompts, embedded_target, method="jetspec", head=head)
 
 
 def test_cli_default_is_jetspec_with_the_shipped_head(capsys):
