@@ -11,7 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.loading.gguf_file import load_gguf, load_gguf_tokenizer
+from jetspec_jax.loading.gguf_file import load_gguf
+from jetspec_jax.loading.gguf_tokenizer import load_gguf_tokenizer
 from jetspec_jax.loading.hf_dir import load_hf_dir, load_hf_tokenizer
 from jetspec_jax.models import qwen3
 

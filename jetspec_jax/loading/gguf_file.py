@@ -1,6 +1,5 @@
 """Loads a GGUF file with the `gguf` package: dequantises Q4_0/Q4_1/Q8_0/F16/BF16/F32 tensors,
-undoes llama.cpp's Q/K row permutation for Llama checkpoints, and builds the tokenizer and chat
-template from the file's metadata through transformers."""
+and undoes llama.cpp's Q/K row permutation for Llama checkpoints (the tokenizer: gguf_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -99,10 +98,3 @@ def load_gguf(path: str, dtype) -> tuple[qwen3.Config, Any]:
     params = assemble_params(qwen3.param_specs(cfg), iter_gguf_tensors(reader), gguf_rules(cfg), dtype,
                              source=path)
     return cfg, params
-
-
-def load_gguf_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                         gguf_file=os.path.basename(path))
