@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # Logical axis names used by model declarations; a mesh rule table maps them to mesh axes.
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "layers")
@@ -77,6 +76,3 @@ def init_params(specs: Any, key: jax.Array, dtype=jnp.float32, scale: float = 0.
             out[name] = (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
     return unflatten_like(specs, out)
 
-
-def count_params(params: Any) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
