@@ -11,7 +11,6 @@ dtype's rounding, and the fp32 argmax says which side was "right".
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,8 @@ from jetspec_jax.generate import generate  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR, MATH_INSTRUCTION  # noqa: E402
+from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
+from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
 
 
 def next_logits(target, ids):
@@ -50,8 +50,7 @@ def main():
     with jax.default_matmul_precision("highest"):
         exact = load_target(dtype=jnp.float32, with_tokenizer=False)
     head = load_head(packaged_head_path(target.source, "jetspec"), target.params["embed"].dtype)
-    with open(os.path.join(args.data_dir, "gsm8k_test.jsonl")) as f:
-        questions = [json.loads(line)["question"] + MATH_INSTRUCTION for line in f][: args.prompts]
+    questions = [item.prompt for item in load_benchmark("gsm8k", args.data_dir, args.prompts)]
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)
     spec = generate(questions, target, method="jetspec", head=head, budget=args.budget,
                     max_new_tokens=args.max_new_tokens)

@@ -1,6 +1,6 @@
 """Acceptance of a trained head on held-out prompts: tau per method and budget, with AR in the same run.
 
-    python benchmarks/head_tau.py --head heads/smollm2-135m-jetspec --out benchmarks/results/head_tau.json
+    python benchmarks/head_tau.py --head jetspec_jax/heads/smollm2-135m-jetspec --out benchmarks/results/head_tau.json
 
 Prompts: the first N GSM8K test questions (never trained on) with the math instruction, chat template,
 greedy. Every speculative output is checked token for token against the AR output.
@@ -9,7 +9,6 @@ greedy. Every speculative output is checked token for token against the AR outpu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,8 @@ from common import environment, print_table, write_json_atomic  # noqa: E402
 from jetspec_jax.generate import generate  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR, MATH_INSTRUCTION  # noqa: E402
+from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
+from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
 
 
 def main():
@@ -43,8 +43,7 @@ def main():
     if dtype == jnp.float32:  # true fp32 matmuls: the GPU default would use TF32 and flip near-ties
         jax.config.update("jax_default_matmul_precision", "highest")
     target = load_target(dtype=dtype)
-    with open(os.path.join(args.data_dir, "gsm8k_test.jsonl")) as f:
-        questions = [json.loads(line)["question"] + MATH_INSTRUCTION for line in f][: args.prompts]
+    questions = [item.prompt for item in load_benchmark("gsm8k", args.data_dir, args.prompts)]
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)  # timed warm
     rows = [dict(head="-", method="ar", budget=1, tau=1.0, tok_s=ar.tokens_per_second, mismatches=0)]
