@@ -1,18 +1,26 @@
 """Cost of one speculative step, stage by stage, against one autoregressive step.
 
-    python benchmarks/spec_step_breakdown.py --out benchmarks/results/spec_step_breakdown_h200.json
+    # the embedded target with its shipped JetSpec head (issue: per-stage breakdown)
+    python benchmarks/spec_step_breakdown.py --attention xla pallas \\
+        --out benchmarks/results/spec_step_breakdown_h200.json
+    # a Qwen3-8B-shaped target and 5-layer head with random bf16 weights (the cost model)
+    python benchmarks/spec_step_breakdown.py --target qwen3-8b-shaped --contexts 1024 4096 \\
+        --budgets 16 32 64 128 256 --attention xla cudnn pallas --out benchmarks/results/qwen3_8b_cost_h200.json
 
-Embedded target (bf16 on GPU) and an untrained JetSpec head of the default shape (timing does not
-depend on the head's values). Each stage runs `--iters` times inside one jitted `fori_loop`, its
-buffers threaded through the loop as in generation, so the per-iteration time is device time without
-per-call dispatch: draft pass, tree build (top-W + best-first), verify pass, accept + cache
-compaction + head-context update. `loop_step_ms` is the whole step measured inside
-`speculative_generate`, and `ar_step_ms` one decode step measured the same way as the stages.
+Stages: draft pass (head forward over [anchor, MASK...] and its LM head), tree build (top-W per depth
++ best-first), verify pass (one target forward over the tree), accept + cache compaction +
+head-context update. Each runs `--iters` times inside one jitted fori_loop, its buffers threaded
+through the loop as in generation; the loop's trip count is an argument, so one executable times
+`iters` and 1 iterations and the difference cancels the call's fixed cost. `loop_step_ms` is a whole
+step measured inside `speculative_generate` (embedded target only), `ar_step_ms` one decode step
+timed like the stages. c = draft_ms / (N * verify_ms) is the per-draft-token cost of the paper's
+Table 12. Timing does not depend on weight values, so the 8B shape uses random weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -25,121 +33,161 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, prefill  # noqa: E402
+from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
-from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
+from jetspec_jax.speculative import ATTENTION_IMPLS, HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
 from jetspec_jax.tree import build_tree, top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
 
+QWEN3_8B = qwen3.Config(architecture="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
+                        num_kv_heads=8, head_dim=128, intermediate_size=12288, rope_theta=1e6)
+
 
 def per_iteration_ms(body, init, iters: int, *inputs) -> float:
-    """Device time of one `state = body(i, state, *inputs)`, from a jitted fori_loop of `iters`
-    iterations minus one of a single iteration (cancels the call's fixed cost). Arrays go in as
-    arguments, never as closed-over constants, which XLA would try to constant-fold."""
-    run = jax.jit(lambda state, inputs, n: lax.fori_loop(0, n, lambda i, s: body(i, s, *inputs), state),
-                  static_argnums=2)
-    t_many = time_call(lambda: run(init, inputs, iters), repeats=5)
-    t_one = time_call(lambda: run(init, inputs, 1), repeats=5)
+    """Device time of one `state = body(i, state, *inputs)`. Arrays go in as arguments, never as
+    closed-over constants, which XLA would try to constant-fold."""
+    run = jax.jit(lambda state, inputs, n: lax.fori_loop(0, n, lambda i, s: body(i, s, *inputs), state))
+    many, one = jnp.int32(iters), jnp.int32(1)
+    t_many = time_call(lambda: run(init, inputs, many), repeats=5)
+    t_one = time_call(lambda: run(init, inputs, one), repeats=5)
     return (t_many - t_one) / (iters - 1) * 1e3
+
+
+def load_models(args, dtype):
+    """(target cfg, fused target params, head cfg, head params, description)."""
+    if args.target == "qwen3-8b-shaped":
+        cfg = dataclasses.replace(QWEN3_8B, num_layers=args.target_layers or QWEN3_8B.num_layers)
+        params = qwen3.fuse_for_decode(init_params(qwen3.param_specs(cfg), jax.random.key(0), dtype))
+        head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=args.head_layers or 5)
+        head = init_params(draft_head.param_specs(head_cfg), jax.random.key(1), dtype)
+        return cfg, params, head_cfg, head, f"Qwen3-8B-shaped ({cfg.num_layers} layers), random weights"
+    target = load_target(dtype=dtype, with_tokenizer=False)
+    path = args.head or packaged_head_path(target.source, "jetspec")
+    if path and path != "untrained":
+        head_cfg, head = load_head(path, dtype)
+        head_name = os.path.basename(os.path.normpath(path))
+    else:
+        head_cfg = draft_head.DraftConfig.for_target(target.cfg, num_layers=args.head_layers or 2)
+        head = init_params(draft_head.param_specs(head_cfg), jax.random.key(0), dtype)
+        head_name = "untrained"
+    return (target.cfg, jax.jit(qwen3.fuse_for_decode)(target.params), head_cfg, head,
+            f"{os.path.basename(target.source)} with head {head_name}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", choices=["embedded", "qwen3-8b-shaped"], default="embedded")
+    p.add_argument("--head", default=None, help="head directory, or 'untrained' (embedded target; default: "
+                                                "the shipped JetSpec head)")
+    p.add_argument("--head-layers", type=int, default=None, help="layers of an untrained head (2; 8B: 5)")
+    p.add_argument("--target-layers", type=int, default=None, help="8B shape only: fewer layers (CPU checks)")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=512, help="committed tokens before the step")
-    p.add_argument("--head-layers", type=int, default=2)
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--contexts", type=int, nargs="+", default=[512], help="committed tokens before the step")
+    p.add_argument("--attention", nargs="+", default=["xla"], choices=ATTENTION_IMPLS,
+                   help="verify attention paths to time")
+    p.add_argument("--iters", type=int, default=None, help="loop length (default 50; 8B: 10)")
     p.add_argument("--out", default="benchmarks/results/spec_step_breakdown.json")
     args = p.parse_args()
+    iters = args.iters or (10 if args.target == "qwen3-8b-shaped" else 50)
 
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    target = load_target(dtype=dtype, with_tokenizer=False)
-    cfg = target.cfg
-    params = jax.jit(qwen3.fuse_for_decode)(target.params)
-    head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=args.head_layers)
-    head = init_params(draft_head.param_specs(head_cfg), jax.random.key(0), dtype)
+    cfg, params, head_cfg, head, description = load_models(args, dtype)
     drafter = HeadDrafter(head_cfg, cfg)
     depth, taps_wanted = head_cfg.max_depth, head_cfg.tap_layers
-    b, ctx_len = args.batch, args.context
-    cache_len = ctx_len + 80 + max(args.budgets) + depth + 1
-    prompt = jax.random.randint(jax.random.key(1), (b, ctx_len), 0, cfg.vocab_size)
-    lens = jnp.full((b,), ctx_len, jnp.int32)
+    b = args.batch
+    payload = dict(benchmark="spec_step_breakdown", model=description, batch=b, width=args.width,
+                   head=dict(layers=head_cfg.num_layers, width=head_cfg.hidden_size, block=head_cfg.block_size,
+                             taps=list(head_cfg.tap_layers)),
+                   iters=iters, rows=[], environment=environment())
+    rows = payload["rows"]
+    for ctx_len in args.contexts:
+        cache_len = ctx_len + 80 + max(args.budgets) + depth + 1
+        prompt = jax.random.randint(jax.random.key(1), (b, ctx_len), 0, cfg.vocab_size)
+        lens = jnp.full((b,), ctx_len, jnp.int32)
 
-    @jax.jit
-    def setup(params, head, prompt, lens):
-        logits, taps, cache = prefill(params, prompt, lens, cfg, cache_len, tap_layers=taps_wanted)
-        ctx = drafter.observe(head, drafter.init_state(head, b, cache_len, dtype), taps, lens)
-        return jnp.argmax(logits, -1).astype(jnp.int32), cache, ctx
+        @jax.jit
+        def setup(params, head, prompt, lens):
+            logits, taps, cache = prefill(params, prompt, lens, cfg, cache_len, tap_layers=taps_wanted)
+            ctx = drafter.observe(head, drafter.init_state(head, b, cache_len, dtype), taps, lens)
+            return jnp.argmax(logits, -1).astype(jnp.int32), cache, ctx
 
-    anchor, cache, ctx = setup(params, head, prompt, lens)
+        anchor, cache, ctx = setup(params, head, prompt, lens)
 
-    def ar_body(i, cache, params, anchor):
-        _, _, cache = qwen3.forward(params, anchor[:, None], cache.lengths[:, None], cache, cfg)
+        def draft_body(i, anchor, head, params, ctx):  # the next anchor depends on the draft: nothing hoists
+            logits = drafter.propose(head, ctx, params, None, anchor, depth)
+            return (anchor + jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)) % cfg.vocab_size
+
+        draft_ms = per_iteration_ms(draft_body, anchor, iters, head, params, ctx)
+        draft_logits = jax.jit(lambda h, p, c, a: drafter.propose(h, c, p, None, a, depth))(head, params, ctx, anchor)
+        for impl in args.attention:
+            def ar_body(i, cache, params, anchor, impl=impl):
+                _, _, cache = qwen3.forward(params, anchor[:, None], cache.lengths[:, None], cache, cfg,
+                                            attention_impl=impl)
+                return cache
+
+            ar_ms = per_iteration_ms(ar_body, cache, iters, params, anchor)
+            for budget in args.budgets:
+                rows.append(stage_row(args, cfg, params, head, drafter, draft_ms, draft_logits, anchor, cache, ctx,
+                                      ctx_len, cache_len, budget, impl, ar_ms, iters, depth, taps_wanted, prompt,
+                                      lens))
+                print(rows[-1], flush=True)
+                write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
+    print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_ms", "verify_ms", "accept_commit_ms",
+                       "sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])
+    write_json_atomic(args.out, payload)
+
+
+def stage_row(args, cfg, params, head, drafter, draft_ms, draft_logits, anchor, cache, ctx, ctx_len, cache_len,
+              budget, impl, ar_ms, iters, depth, taps_wanted, prompt, lens):
+    def make_tree(logits, anchor):
+        tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
+        return jax.vmap(functools.partial(build_tree, budget=budget))(anchor, tokens, logps)
+
+    def tree_body(i, logits, anchor):
+        tree = make_tree(logits, anchor)
+        return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
+
+    tree_ms = per_iteration_ms(tree_body, draft_logits, iters, anchor)
+    tree = jax.jit(make_tree)(draft_logits, anchor)
+
+    def verify_body(i, cache, params, tree):
+        _, _, cache = verify_tree(params, tree, cache, cfg, taps_wanted, impl)
         return cache
 
-    ar_ms = per_iteration_ms(ar_body, cache, args.iters, params, anchor)
+    verify_ms = per_iteration_ms(verify_body, cache, iters, params, tree)
+    vlogits, node_taps, verified_cache = jax.jit(
+        lambda p, t, c: verify_tree(p, t, c, cfg, taps_wanted, impl))(params, tree, cache)
 
-    def draft_body(i, anchor, head, params, ctx):  # the next anchor depends on the draft: nothing hoists
-        logits = drafter.propose(head, ctx, params, None, anchor, depth)
-        return (anchor + jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)) % cfg.vocab_size
+    def accept_body(i, state, tree, vlogits, node_taps, head):
+        cache, ctx = state
+        result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), depth)
+        keep = jnp.zeros_like(result.accept_len)  # commit nothing so every iteration sees one state
+        path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
+        return compact_cache(cache, result.path, keep), drafter.observe(head, ctx, path_taps, keep)
 
-    draft_ms = per_iteration_ms(draft_body, anchor, args.iters, head, params, ctx)
-    draft_logits = jax.jit(lambda h, p, c, a: drafter.propose(h, c, p, None, a, depth))(head, params, ctx, anchor)
-    rows = []
-    for budget in args.budgets:
-        def make_tree(logits, anchor, budget=budget):
-            tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
-            return jax.vmap(functools.partial(build_tree, budget=budget))(anchor, tokens, logps)
-
-        def tree_body(i, logits, anchor):
-            tree = make_tree(logits, anchor)
-            return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
-
-        tree_ms = per_iteration_ms(tree_body, draft_logits, args.iters, anchor)
-        tree = jax.jit(make_tree)(draft_logits, anchor)
-
-        def verify_body(i, cache, params, tree):
-            _, _, cache = verify_tree(params, tree, cache, cfg, taps_wanted)
-            return cache
-
-        verify_ms = per_iteration_ms(verify_body, cache, args.iters, params, tree)
-        vlogits, node_taps, verified_cache = jax.jit(
-            lambda p, t, c: verify_tree(p, t, c, cfg, taps_wanted))(params, tree, cache)
-
-        def accept_body(i, state, tree, vlogits, node_taps, head):
-            cache, ctx = state
-            result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), depth)
-            keep = jnp.zeros_like(result.accept_len)  # commit nothing so every iteration sees one state
-            path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
-            return compact_cache(cache, result.path, keep), drafter.observe(head, ctx, path_taps, keep)
-
-        accept_ms = per_iteration_ms(accept_body, (verified_cache, ctx), args.iters, tree, vlogits, node_taps, head)
-
-        spec = SpecConfig("jetspec", budget, args.width)
+    accept_ms = per_iteration_ms(accept_body, (verified_cache, ctx), iters, tree, vlogits, node_taps, head)
+    total = draft_ms + tree_ms + verify_ms + accept_ms
+    row = dict(context=ctx_len, attention=impl, budget=budget, width=args.width, draft_ms=draft_ms,
+               tree_ms=tree_ms, verify_ms=verify_ms, accept_commit_ms=accept_ms, sum_ms=total, ar_step_ms=ar_ms,
+               verify_over_ar=verify_ms / ar_ms, c_percent=100 * draft_ms / (budget * verify_ms))
+    if args.target == "embedded":
+        spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl)
 
         def full(n):
             gen = GenerationConfig(max_new_tokens=n)
-            return lambda: speculative_generate(target.params, head, prompt, lens, jax.random.key(0), cfg=cfg,
+            return lambda: speculative_generate(params, head, prompt, lens, jax.random.key(0), cfg=cfg,
                                                 drafter=drafter, spec=spec, gen=gen, cache_len=cache_len)
 
         n_new = 65
-        steps = int(full(n_new)().target_forwards.max())
+        out = full(n_new)()
+        steps = int(out.target_forwards.max())
         loop_ms = (time_call(full(n_new), repeats=5) - time_call(full(1), repeats=5)) / steps * 1e3
-        total = draft_ms + tree_ms + verify_ms + accept_ms
-        rows.append(dict(budget=budget, width=args.width, batch=b, context=ctx_len, draft_ms=draft_ms,
-                         tree_ms=tree_ms, verify_ms=verify_ms, accept_commit_ms=accept_ms, sum_ms=total,
-                         loop_step_ms=loop_ms, ar_step_ms=ar_ms, verify_over_ar=verify_ms / ar_ms,
-                         step_over_ar=loop_ms / ar_ms))
-        print(rows[-1], flush=True)
-    print_table(rows, ["budget", "draft_ms", "tree_ms", "verify_ms", "accept_commit_ms", "sum_ms",
-                       "loop_step_ms", "ar_step_ms", "verify_over_ar", "step_over_ar"])
-    write_json_atomic(args.out, dict(benchmark="spec_step_breakdown", model=os.path.basename(target.source),
-                                     head=dict(layers=head_cfg.num_layers, block=head_cfg.block_size,
-                                               taps=list(head_cfg.tap_layers)),
-                                     iters=args.iters, rows=rows, environment=environment()))
+        row.update(loop_step_ms=loop_ms, step_over_ar=loop_ms / ar_ms)
+    return row
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from jetspec_jax.generate import encode_prompts, generate, pad_prompts, plan_cache_len, stop_tokens
 from jetspec_jax.models import draft_head
-from jetspec_jax.speculative import SpecConfig, speculative_cache_rows
+from jetspec_jax.speculative import ATTENTION_IMPLS, SpecConfig, speculative_cache_rows
 from jetspec_jax.target import Target, default_dtype, load_target, resolve_target_path
 
 from .datasets import BENCHMARKS, EvalItem, benchmark_path, load_benchmark
@@ -40,6 +40,7 @@ class EvalConfig:
     limit: int | None = None
     max_new_tokens: int = 512
     width: int = 7
+    attention: str = "xla"  # verify attention path (qwen3.ATTENTION_IMPLS)
     seed: int = 0
     data_dir: str | None = None
     results: str = DEFAULT_RESULTS
@@ -57,6 +58,8 @@ class EvalConfig:
         problems += [f"unknown method {m!r} (known: {', '.join(METHODS)})" for m in self.methods
                      if m not in METHODS]
         problems += [f"budget must be >= 2, got {b}" for b in self.budgets if b < 2]
+        if self.attention not in ATTENTION_IMPLS:
+            problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures if t < 0]
         if self.matmul_precision not in (None, "default", "high", "highest"):
             problems.append(f"matmul_precision must be default, high or highest, got "
@@ -140,7 +143,8 @@ class Evaluator:
 
     def timed_generate(self, prompt: str, method: str, budget: int | None, temperature: float,
                        max_new_tokens: int, cache_len: int):
-        tree = {} if budget is None else {"budget": budget, "width": self.config.width}
+        tree = {} if budget is None else {"budget": budget, "width": self.config.width,
+                                          "attention": self.config.attention}
 
         def call():
             return generate(prompt, self.target, method=method, head=self.head(method), **tree,
@@ -175,6 +179,7 @@ class Evaluator:
         line = {"benchmark": item.benchmark, "id": item.id, "method": method, "budget": spec.budget,
                 "temperature": spec.temperature,
                 "width": config.width if method in ("jetspec", "ddtree") else None,
+                "attention": config.attention if method != "ar" else None,
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
                 "head": head.name if head else None,
@@ -231,7 +236,8 @@ def set_matmul_precision(config: EvalConfig, dtype: str) -> str:
 def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: str) -> dict[str, Any]:
     """What must not change between runs appending to one results file."""
     return {"target": target_name, "dtype": dtype, "matmul_precision": precision,
-            "max_new_tokens": config.max_new_tokens, "width": config.width, "seed": config.seed}
+            "max_new_tokens": config.max_new_tokens, "width": config.width, "seed": config.seed,
+            "attention": config.attention}
 
 
 def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> dict[str, int]:

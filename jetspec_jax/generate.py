@@ -23,7 +23,7 @@ from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params
 from jetspec_jax.sampling import SamplingConfig
-from jetspec_jax.speculative import (METHODS, HeadDrafter, SpecConfig, speculative_cache_rows,
+from jetspec_jax.speculative import (ATTENTION_IMPLS, METHODS, HeadDrafter, SpecConfig, speculative_cache_rows,
                                      speculative_generate)
 from jetspec_jax.target import Target, load_target
 
@@ -163,12 +163,14 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
              head: tuple[draft_head.DraftConfig, Any] | None = None, budget: int = 64, width: int = 7,
              max_depth: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
-             system_prompt: str | None = None, max_cache_len: int | None = None) -> GenerationResult:
+             system_prompt: str | None = None, max_cache_len: int | None = None,
+             attention: str = "xla") -> GenerationResult:
     """Generation for a batch of prompts (greedy when temperature == 0).
 
     method "ar" decodes token by token; "jetspec", "ddtree" and "dflash" decode speculatively with
     `head` = (DraftConfig, params) and give the same tokens at temperature 0 and the same
-    distribution at temperature > 0.
+    distribution at temperature > 0. `attention` picks the verify pass's attention path (see
+    qwen3.ATTENTION_IMPLS; "auto" is the Pallas tree kernel on GPU).
     """
     if method != "ar" and method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
@@ -191,7 +193,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
             raise ValueError(f"method {method!r} needs a draft head (head=(config, params))")
         head_cfg, head_params = head
         drafter = HeadDrafter(head_cfg, target.cfg)
-        spec = SpecConfig(method, budget, width, max_depth)
+        spec = SpecConfig(method, budget, width, max_depth, attention)
         if isinstance(head_cfg.attention, str) and head_cfg.attention != spec.expected_attention():
             raise ValueError(f"method {method!r} expects a {spec.expected_attention()} head, but this head is "
                              f"{head_cfg.attention}; use --method "
@@ -237,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=64, help="tree nodes verified per step, root included")
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--max-depth", type=int, default=None, help="tree depth limit (default: the head's)")
+    p.add_argument("--attention", choices=ATTENTION_IMPLS, default="xla",
+                   help="verify attention path: xla (dense mask), cudnn, pallas (tree kernel, GPU), "
+                        "auto (pallas on GPU, else xla)")
     return p
 
 
@@ -265,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           budget=args.budget, width=args.width, max_depth=args.max_depth,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                          system_prompt=args.system)
+                          system_prompt=args.system, attention=args.attention)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

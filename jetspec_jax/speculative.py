@@ -25,6 +25,8 @@ from jetspec_jax.sampling import select_tokens
 from jetspec_jax.tree import build_tree, top_candidates, validate_tree_settings
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
 
+ATTENTION_IMPLS = qwen3.ATTENTION_IMPLS
+
 METHODS = ("jetspec", "ddtree", "dflash")
 
 
@@ -34,13 +36,13 @@ class SpecConfig:
     budget: int = 64  # tree nodes verified per step, the root included
     width: int = 7  # candidates per depth (ignored by dflash, which uses 1)
     max_depth: int | None = None  # None: as deep as the drafter predicts
-    attention_impl: str = "xla"  # verify attention: xla (dense mask) | pallas | pallas_interpret
+    attention_impl: str = "xla"  # verify attention: xla (dense mask) | cudnn | pallas | pallas_interpret
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} is not one of {METHODS}")
-        if self.attention_impl not in ("xla", "pallas", "pallas_interpret"):
-            raise ValueError(f"attention_impl {self.attention_impl!r} is not xla, pallas or pallas_interpret")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl {self.attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
         validate_tree_settings(self.budget, self.width, self.max_depth if self.max_depth is not None else 1)
 
     def depth(self, drafter_depth: int) -> int:

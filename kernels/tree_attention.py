@@ -6,8 +6,9 @@ whole prefix and the nodes whose bit is set in its row of a packed ancestor mask
 uint32, never a dense N x (L+N) mask. GQA: query head h reads kv head h // (H / Hkv).
 
 `tree_attention` dispatches: the Pallas kernel (Triton lowering) on GPU, the plain-jnp reference
-elsewhere. The kernel is split-K (flash-decoding): each program handles one (batch, query head,
-query block, key split); the last split takes the tree nodes, the others share the prefix, and a
+elsewhere. The kernel is split-K (flash-decoding): each program handles one (batch, KV head, block of query
+rows, key split), where the rows are all (query head of that KV head's group, node) pairs so a GQA
+group shares its K/V loads; the last split takes the tree nodes, the others share the prefix, and a
 log-sum-exp merge combines them. Checked with jax 0.10 (CPU, interpret=True); the GPU path targets
 jax 0.11 on Hopper through the Triton lowering (the Mosaic GPU backend is the alternative to measure).
 """
@@ -64,16 +65,18 @@ def tree_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: 
 
 @dataclasses.dataclass(frozen=True)
 class TreeAttentionTuning:
-    block_q: int = 16  # query nodes per program (Triton dots need >= 16)
+    block_rows: int = 64  # query rows per program (group heads x nodes, flattened); Triton dots need >= 16
     block_k: int = 64  # prefix keys per inner step
-    prefix_splits: int | None = None  # None: about one split per 1024 cache rows
+    prefix_splits: int | None = None  # None: enough splits to give the GPU about `target_programs` programs
+    target_programs: int = 264  # two waves on the H200's 132 multiprocessors
     num_warps: int = 4
     num_stages: int = 2
 
-    def splits_for(self, cache_rows: int) -> int:
+    def splits_for(self, cache_rows: int, programs_per_split: int) -> int:
         if self.prefix_splits is not None:
             return self.prefix_splits
-        return max(1, min(32, -(-cache_rows // 1024)))
+        wanted = -(-self.target_programs // programs_per_split)
+        return max(1, min(wanted, 64, -(-cache_rows // (4 * self.block_k))))
 
 
 def _online_softmax_step(q, k, v, visible, carry, scale):
@@ -91,15 +94,15 @@ def _online_softmax_step(q, k, v, visible, carry, scale):
 
 def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, lse_ref, *, num_nodes: int,
                            num_words: int, prefix_splits: int, split_rows: int, block_k: int, scale: float):
-    """Grid (batch, query head, query block, split). Splits < prefix_splits cover prefix rows
+    """Grid (batch, kv head, row block, split). A row is one (query head of the group, node) pair, so
+    the group's heads share every K/V load. Splits < prefix_splits cover prefix rows
     [split * split_rows, ...) up to the prefix length; the last split covers the tree nodes."""
     b, split = pl.program_id(0), pl.program_id(3)
-    qb = pl.program_id(2)
-    block_q, d = q_ref.shape
+    block_rows, d = q_ref.shape
     length = lengths_ref[b]
     q = q_ref[...]
-    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
+    init = (jnp.zeros((block_rows, d), jnp.float32), jnp.full((block_rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_rows,), jnp.float32))
 
     def prefix_block(i, carry):
         start = split * split_rows + i * block_k
@@ -115,7 +118,7 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, l
         rows = length + c * WORD_BITS
         k = plgpu.load(k_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
         v = plgpu.load(v_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
-        words = words_ref[:, c]  # (block_q,) this chunk's bits for each query node
+        words = words_ref[:, c]  # (block_rows,) this chunk's bits for each row's node
         bits = (words[:, None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)[None, :]) & 1
         return _online_softmax_step(q, k, v, (bits == 1) & inside[None, :], carry, scale)
 
@@ -127,54 +130,59 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, l
     acc, m, l = lax.fori_loop(0, tree_steps, tree_block, carry)
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
-    del qb
+
+
+def _next_power_of_two(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
 def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array,
                           *, tuning: TreeAttentionTuning = TreeAttentionTuning(),
                           interpret: bool = False) -> jax.Array:
-    """The Pallas kernel; same contract as `tree_attention_reference`. Needs lengths + N <= S."""
+    """The Pallas kernel; same contract as `tree_attention_reference`. Needs lengths + N <= S.
+    K/V are read in place from the (B, S, Hkv, D) cache (strided), never transposed or copied."""
     b, n, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     group = h // hkv
-    block_q = tuning.block_q
-    n_pad = -(-n // block_q) * block_q
+    rows = group * n  # row g * n + i is query head (kv head * group + g) at node i
+    block_rows = max(16, min(tuning.block_rows, _next_power_of_two(rows)))
+    rows_pad = -(-rows // block_rows) * block_rows
+    row_blocks = rows_pad // block_rows
     num_words = tree_words.shape[-1]
-    splits = tuning.splits_for(s)
+    splits = tuning.splits_for(s, b * hkv * row_blocks)
     split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
-    # padded query rows see the root, so every row has a finite softmax; they are cut off below
-    words = jnp.pad(tree_words, ((0, 0), (0, n_pad - n), (0, 0)))
-    words = words.at[:, n:, 0].set(jnp.uint32(1))
-    qt = jnp.pad(q, ((0, 0), (0, n_pad - n), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # (B, H, Np, D)
-    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, Hkv, S, D)
+    # padded rows see the root, so every row has a finite softmax; they are cut off below
+    words = jnp.pad(jnp.tile(tree_words, (1, group, 1)), ((0, 0), (0, rows_pad - rows), (0, 0)))
+    words = words.at[:, rows:, 0].set(jnp.uint32(1))
+    q_rows = q.reshape(b, n, hkv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, rows, d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     kernel = functools.partial(_tree_attention_kernel, num_nodes=n, num_words=num_words, prefix_splits=splits,
                                split_rows=split_rows, block_k=tuning.block_k, scale=1.0 / math.sqrt(d))
-    grid = (b, h, n_pad // block_q, splits + 1)
     out, lse = pl.pallas_call(
         kernel,
-        grid=grid,
+        grid=(b, hkv, row_blocks, splits + 1),
         in_specs=[
-            pl.BlockSpec((b,), lambda i, j, qb, sp: (0,)),
-            pl.BlockSpec((None, None, block_q, d), lambda i, j, qb, sp: (i, j, qb, 0)),
-            pl.BlockSpec((None, None, s, d), lambda i, j, qb, sp: (i, j // group, 0, 0)),
-            pl.BlockSpec((None, None, s, d), lambda i, j, qb, sp: (i, j // group, 0, 0)),
-            pl.BlockSpec((None, block_q, num_words), lambda i, j, qb, sp: (i, qb, 0)),
+            pl.BlockSpec((b,), lambda i, j, r, sp: (0,)),
+            pl.BlockSpec((None, None, block_rows, d), lambda i, j, r, sp: (i, j, r, 0)),
+            pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0)),
+            pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0)),
+            pl.BlockSpec((None, block_rows, num_words), lambda i, j, r, sp: (i, r, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, block_q, d), lambda i, j, qb, sp: (i, j, sp, qb, 0)),
-            pl.BlockSpec((None, None, None, block_q), lambda i, j, qb, sp: (i, j, sp, qb)),
+            pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, r, sp: (i, j, sp, r, 0)),
+            pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, h, splits + 1, n_pad, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, splits + 1, n_pad), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits + 1, rows_pad, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits + 1, rows_pad), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths.astype(jnp.int32), qt, kt, vt, words)
+    )(lengths.astype(jnp.int32), q_rows, k, v, words)
     # merge the splits: weights exp(lse_s - lse_total); empty splits have lse = -inf
     total = jax.nn.logsumexp(lse, axis=2, keepdims=True)
-    merged = jnp.sum(out * jnp.exp(lse - total)[..., None], axis=2)  # (B, H, Np, D)
-    return merged[:, :, :n].transpose(0, 2, 1, 3).astype(q.dtype)
+    merged = jnp.sum(out * jnp.exp(lse - total)[..., None], axis=2)[:, :, :rows]  # (B, Hkv, rows, D)
+    return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
 
 
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array, *,

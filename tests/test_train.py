@@ -110,6 +110,22 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(embedded_target, train
     assert resumed[3] == straight[3]
 
 
+def test_max_steps_stops_cleanly_and_a_later_run_continues_the_same_schedule(embedded_target, training_records,
+                                                                              tmp_path):
+    straight, first, rest = {}, {}, {}
+    train(tiny_config(tmp_path / "a", "optim.total_steps=5"), embedded_target, training_records, mesh=one_device(),
+          on_step=lambda s, r: straight.__setitem__(s, r["loss"]))
+    head_dir = tmp_path / "head"
+    summary = train(tiny_config(tmp_path / "b", "optim.total_steps=5", "run.max_steps=3", f"run.export_head={head_dir}"),
+                    embedded_target, training_records, mesh=one_device(),
+                    on_step=lambda s, r: first.__setitem__(s, r["loss"]))
+    assert summary["steps"] == 3 and (head_dir / "head.safetensors").is_file()
+    train(tiny_config(tmp_path / "b", "optim.total_steps=5"), embedded_target, training_records, mesh=one_device(),
+          on_step=lambda s, r: rest.__setitem__(s, r["loss"]))
+    assert sorted(first) == [1, 2, 3] and sorted(rest) == [4, 5]
+    assert {**first, **rest} == straight
+
+
 def test_checkpoint_from_another_config_is_refused(embedded_target, training_records, tmp_path):
     train(tiny_config(tmp_path, "optim.total_steps=2"), embedded_target, training_records, mesh=one_device())
     with pytest.raises(ValueError, match="another config"):

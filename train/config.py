@@ -76,6 +76,7 @@ class RunConfig:
     mesh_model: int = 1  # devices along the parameter-sharding axis; the rest is data parallel
     export_head: str = ""  # where to write the final head (draft_config.json + head.safetensors)
     max_minutes: float = 0.0  # > 0: stop cleanly (checkpoint + export) after this much training time
+    max_steps: int = 0  # > 0: stop cleanly at this step, the schedule still planned over total_steps
 
 
 @dataclasses.dataclass(frozen=True)

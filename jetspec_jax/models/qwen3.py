@@ -287,6 +287,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret")
+
+
 def block_attention_mask(lengths: jax.Array, block_len: int, max_len: int,
                          block_mask: jax.Array | None) -> jax.Array:
     """(B, T, S) bool over cache slots: the committed prefix is always visible; slots written by
@@ -344,10 +347,13 @@ def dense_mlp(x: jax.Array, layer: Mapping[str, jax.Array]) -> jax.Array:
 def fuse_for_decode(params: Mapping[str, Any]) -> dict[str, Any]:
     """Concatenates q/k/v and gate/up weights so a decode step launches one matmul for each group
     instead of three and two; small-batch decoding is bound by kernel count, not bandwidth.
-    Call once outside the decode loop; `forward` accepts either layout."""
+    Call once outside the decode loop; `forward` accepts either layout; fused params pass through."""
     layers = []
     for layer in params["layers"]:
         layer = dict(layer)
+        if "wqkv" in layer:
+            layers.append(layer)
+            continue
         layer["wqkv"] = jnp.concatenate([layer.pop("wq"), layer.pop("wk"), layer.pop("wv")], axis=1)
         if "w_gate" in layer:
             layer["w_gate_up"] = jnp.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=1)
@@ -401,16 +407,21 @@ def forward(
     is always visible. `cache.lengths` is not advanced.
     tap_layers: layer indices whose outputs to return (HF hidden_states[i+1]), as (B, T, n, D).
     logits_indices: (B, K) block positions whose logits to compute; None computes all T.
-    attention_impl: "xla" (dense mask over the cache), or "pallas" / "pallas_interpret" (the tree
-    attention kernel with a packed block mask; see kernels/tree_attention.py).
+    attention_impl: "auto" (the Pallas kernel on GPU, "xla" elsewhere), "xla" (dense mask over the cache), "cudnn" (the same dense mask through
+    jax.nn.dot_product_attention's cuDNN path; GPU, bf16/fp16 only), or "pallas" / "pallas_interpret"
+    (the tree attention kernel with a packed block mask; see kernels/tree_attention.py).
     Returns (logits (B, T or K, V) fp32, taps or None, cache).
     """
     b, t = tokens.shape
     max_len = cache.max_len
     dtype = params["embed"].dtype
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl {attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    if attention_impl == "auto":
+        attention_impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     x = params["embed"][tokens].astype(dtype)
     cos, sin = rope_tables(positions, rope_inverse_frequencies(cfg))
-    if attention_impl == "xla":
+    if attention_impl in ("xla", "cudnn"):
         attn_mask = block_attention_mask(cache.lengths, t, max_len, mask)
     else:
         block = jnp.tril(jnp.ones((t, t), bool))[None] if mask is None else mask
@@ -430,6 +441,9 @@ def forward(
         new_v[i] = write_block(new_v[i], v, cache.lengths)
         if attention_impl == "xla":
             attn = attention_scores_softmax(q, new_k[i], new_v[i], attn_mask)
+        elif attention_impl == "cudnn":
+            attn = jax.nn.dot_product_attention(q, new_k[i], new_v[i], mask=attn_mask[:, None],
+                                                implementation="cudnn")
         else:
             attn = tree_attention(q, new_k[i], new_v[i], cache.lengths, packed_mask, implementation=attention_impl)
         attn = attn.reshape(b, t, h * hd)
