@@ -122,10 +122,12 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, l
         bits = (words[:, None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)[None, :]) & 1
         return _online_softmax_step(q, k, v, (bits == 1) & inside[None, :], carry, scale)
 
-    is_tree = split == prefix_splits
+    # loop bounds are built arithmetically in int32: jnp.where(flag, 1, 0) lowers to an i1 select,
+    # which Triton's scf.for rejects next to an i32 lower bound
+    is_tree = (split == prefix_splits).astype(jnp.int32)
     prefix_rows = jnp.clip(length - split * split_rows, 0, split_rows)
-    prefix_steps = jnp.where(is_tree, 0, pl.cdiv(prefix_rows, block_k))
-    tree_steps = jnp.where(is_tree, num_words, 0)
+    prefix_steps = (1 - is_tree) * pl.cdiv(prefix_rows, block_k)
+    tree_steps = is_tree * num_words
     carry = lax.fori_loop(0, prefix_steps, prefix_block, init)
     acc, m, l = lax.fori_loop(0, tree_steps, tree_block, carry)
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)

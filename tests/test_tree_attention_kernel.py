@@ -87,3 +87,38 @@ def test_speculative_generate_with_the_kernel_equals_ar(tiny_qwen3):
                                cache_len=32)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert float(np.asarray(got.target_forwards).max()) < 10  # drafts were accepted through the kernel
+
+
+LOWERING_SHAPES = [  # batch, N, heads, kv heads, head dim, cache rows, dtype, tuning
+    (1, 16, 32, 8, 128, 1040, jnp.bfloat16, TreeAttentionTuning()),
+    (8, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(block_rows=128, block_k=128, num_warps=8)),
+    (2, 64, 9, 3, 64, 1088, jnp.bfloat16, TreeAttentionTuning()),
+    (3, 7, 4, 4, 64, 100, jnp.float32, TreeAttentionTuning(block_k=32)),
+]
+
+
+@pytest.mark.parametrize("shape", LOWERING_SHAPES)
+def test_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
+    """Lowers the GPU kernel for CUDA on this CPU machine and runs MLIR's verifier on the Triton
+    module, which catches what would only fail when the GPU compiles it (a mistyped loop bound did)."""
+    registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    from jetspec_jax.kernels.tree_attention import tree_attention_pallas
+
+    modules = []
+    original = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module)
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    b, n, h, hkv, d, s, dtype, tuning = shape
+    args = (jax.ShapeDtypeStruct((b, n, h, d), dtype), jax.ShapeDtypeStruct((b, s, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, s, hkv, d), dtype), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, n, -(-n // 32)), jnp.uint32))
+    jax.jit(tree_attention_pallas, static_argnames=("tuning",)).trace(*args, tuning=tuning).lower(
+        lowering_platforms=("cuda",))
+    assert modules, "the kernel was not lowered through Triton"
+    for module in modules:
+        assert module.operation.verify()
