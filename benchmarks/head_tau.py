@@ -47,6 +47,9 @@ def main():
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)  # timed warm
     rows = [dict(head="-", method="ar", budget=1, tau=1.0, tok_s=ar.tokens_per_second, mismatches=0)]
+    payload = dict(benchmark="head_tau", prompts=f"gsm8k_test[:{args.prompts}]", batch=len(questions),
+                   max_new_tokens=args.max_new_tokens, dtype=str(jnp.dtype(dtype)), rows=rows,
+                   environment=environment())
     for head_dir in args.head:
         head_cfg, head_params = load_head(head_dir, dtype)
         methods = ["jetspec"] if head_cfg.attention == "causal" else ["ddtree", "dflash"]
@@ -62,10 +65,9 @@ def main():
                                  speedup_vs_ar=out.tokens_per_second / ar.tokens_per_second,
                                  mismatches=mismatches, accept_counts=out.accept_counts))
                 print(rows[-1], flush=True)
+                write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
     print_table(rows, ["head", "method", "budget", "tau", "tok_s", "speedup_vs_ar", "mismatches"])
-    write_json_atomic(args.out, dict(benchmark="head_tau", prompts=f"gsm8k_test[:{args.prompts}]",
-                                     batch=len(questions), max_new_tokens=args.max_new_tokens,
-                                     dtype=str(jnp.dtype(dtype)), rows=rows, environment=environment()))
+    write_json_atomic(args.out, payload)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from jetspec_jax.generate import PROMPT_BUCKET
 from jetspec_jax.speculative import ATTENTION_IMPLS
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
 
@@ -54,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     run.add_argument("--max-new-tokens", type=int, default=512)
     run.add_argument("--width", type=int, default=7, help="candidates per depth for the tree methods")
-    run.add_argument("--attention", choices=ATTENTION_IMPLS, default="xla",
-                     help="verify attention path of the speculative methods (auto: Pallas kernel on GPU)")
+    run.add_argument("--prompt-bucket", type=int, default=PROMPT_BUCKET,
+                     help="pad prompts to a multiple of this; larger means fewer shapes to compile "
+                          "(prefill grows; decode time is reported apart)")
+    run.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
+                     help="attention of AR decode steps and verify passes (auto: Pallas kernel on GPU)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--data-dir", default=None,
                      help=f"folder with the benchmark files (default: {DEFAULT_DATA_DIR})")
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
             config = EvalConfig(
                 benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
                 temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
-                width=args.width, attention=args.attention, seed=args.seed, data_dir=args.data_dir, results=args.results,
+                width=args.width, attention=args.attention, prompt_bucket=args.prompt_bucket, seed=args.seed,
+                data_dir=args.data_dir, results=args.results,
                 head_dirs=parse_heads(args.heads), allow_untrained=args.allow_untrained, model=args.model,
                 dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,
                 progress=not args.no_progress)

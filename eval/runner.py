@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jetspec_jax.generate import encode_prompts, generate, pad_prompts, plan_cache_len, stop_tokens
+from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, generate, pad_prompts, plan_cache_len,
+                                  stop_tokens)
 from jetspec_jax.models import draft_head
 from jetspec_jax.speculative import ATTENTION_IMPLS, SpecConfig, speculative_cache_rows
 from jetspec_jax.target import Target, default_dtype, load_target, resolve_target_path
@@ -40,7 +41,8 @@ class EvalConfig:
     limit: int | None = None
     max_new_tokens: int = 512
     width: int = 7
-    attention: str = "xla"  # verify attention path (qwen3.ATTENTION_IMPLS)
+    attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
+    prompt_bucket: int = PROMPT_BUCKET  # prompts pad to a multiple of this: larger = fewer compilations
     seed: int = 0
     data_dir: str | None = None
     results: str = DEFAULT_RESULTS
@@ -58,6 +60,8 @@ class EvalConfig:
         problems += [f"unknown method {m!r} (known: {', '.join(METHODS)})" for m in self.methods
                      if m not in METHODS]
         problems += [f"budget must be >= 2, got {b}" for b in self.budgets if b < 2]
+        if self.prompt_bucket < 1:
+            problems.append(f"prompt_bucket must be >= 1, got {self.prompt_bucket}")
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures if t < 0]
@@ -132,7 +136,7 @@ class Evaluator:
         """Cache rows sized by the padded prompt, not its exact length, so prompts of one bucket share
         compiled programs; passed to the prefill-only call too, so both calls have the same shapes."""
         ids = encode_prompts(self.target.tokenizer, [prompt])
-        width = pad_prompts(ids, 0)[0].shape[1]
+        width = pad_prompts(ids, 0, self.config.prompt_bucket)[0].shape[1]
         extra = 0
         if method != "ar":
             depth = SpecConfig(method, budget, self.config.width).depth(self.head(method)[0].max_depth)
@@ -143,11 +147,11 @@ class Evaluator:
 
     def timed_generate(self, prompt: str, method: str, budget: int | None, temperature: float,
                        max_new_tokens: int, cache_len: int):
-        tree = {} if budget is None else {"budget": budget, "width": self.config.width,
-                                          "attention": self.config.attention}
+        tree = {} if budget is None else {"budget": budget, "width": self.config.width}
 
         def call():
             return generate(prompt, self.target, method=method, head=self.head(method), **tree,
+                            attention=self.config.attention, prompt_bucket=self.config.prompt_bucket,
                             max_new_tokens=max_new_tokens, temperature=temperature, seed=self.config.seed,
                             max_cache_len=cache_len)
         result = call()
@@ -179,7 +183,7 @@ class Evaluator:
         line = {"benchmark": item.benchmark, "id": item.id, "method": method, "budget": spec.budget,
                 "temperature": spec.temperature,
                 "width": config.width if method in ("jetspec", "ddtree") else None,
-                "attention": config.attention if method != "ar" else None,
+                "attention": config.attention,
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
                 "head": head.name if head else None,
@@ -237,7 +241,7 @@ def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: st
     """What must not change between runs appending to one results file."""
     return {"target": target_name, "dtype": dtype, "matmul_precision": precision,
             "max_new_tokens": config.max_new_tokens, "width": config.width, "seed": config.seed,
-            "attention": config.attention}
+            "attention": config.attention, "prompt_bucket": config.prompt_bucket}
 
 
 def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> dict[str, int]:

@@ -55,10 +55,13 @@ def prefill(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array, cfg: 
     return logits[:, 0], taps, cache._replace(lengths=prompt_lens.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gen", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("cfg", "gen", "cache_len", "attention"))
 def generate_tokens(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array, key: jax.Array,
-                    *, cfg: qwen3.Config, gen: GenerationConfig, cache_len: int) -> GenerationOutput:
-    """prompt_tokens (B, P) right-padded, prompt_lens (B,); cache_len >= P + max_new_tokens."""
+                    *, cfg: qwen3.Config, gen: GenerationConfig, cache_len: int,
+                    attention: str = "auto") -> GenerationOutput:
+    """prompt_tokens (B, P) right-padded, prompt_lens (B,); cache_len >= P + max_new_tokens.
+    `attention`: the decode steps' attention path (qwen3.ATTENTION_IMPLS; auto = the Pallas kernel on
+    GPU, which reads only each sequence's valid cache rows)."""
     b = prompt_tokens.shape[0]
     params = qwen3.fuse_for_decode(params)
     logits, _, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len)
@@ -74,7 +77,8 @@ def generate_tokens(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Arra
 
     def body(state):
         step, last, cache, out, done, num_tokens, key = state
-        logits, _, cache = qwen3.forward(params, last[:, None], cache.lengths[:, None], cache, cfg)
+        logits, _, cache = qwen3.forward(params, last[:, None], cache.lengths[:, None], cache, cfg,
+                                         attention_impl=attention)
         cache = cache.advance(~done)  # `last` is now in the cache for live sequences
         key, sub = jax.random.split(key)
         token = jnp.where(done, gen.pad_token_id, select_tokens(logits[:, 0], sub, gen.sampling))

@@ -164,20 +164,21 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
              max_depth: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
              system_prompt: str | None = None, max_cache_len: int | None = None,
-             attention: str = "xla") -> GenerationResult:
+             attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET) -> GenerationResult:
     """Generation for a batch of prompts (greedy when temperature == 0).
 
     method "ar" decodes token by token; "jetspec", "ddtree" and "dflash" decode speculatively with
     `head` = (DraftConfig, params) and give the same tokens at temperature 0 and the same
-    distribution at temperature > 0. `attention` picks the verify pass's attention path (see
-    qwen3.ATTENTION_IMPLS; "auto" is the Pallas tree kernel on GPU).
+    distribution at temperature > 0. `attention` picks the attention path of decode steps and verify
+    passes (see qwen3.ATTENTION_IMPLS; "auto" is the Pallas tree kernel on GPU). Prompts are
+    right-padded to a multiple of `prompt_bucket`: a larger bucket means fewer shapes to compile.
     """
     if method != "ar" and method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
     target = load_target() if target is None else target
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     prompt_ids = encode_prompts(target.tokenizer, prompts, chat=chat, system_prompt=system_prompt)
-    tokens, lengths = pad_prompts(prompt_ids, pad_token(target))
+    tokens, lengths = pad_prompts(prompt_ids, pad_token(target), prompt_bucket)
     gen = GenerationConfig(max_new_tokens=max_new_tokens,
                            sampling=SamplingConfig(temperature, top_k, top_p),
                            eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
@@ -186,7 +187,8 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                    target.cfg.max_position_embeddings, max_cache_len)
         out, compile_s, run_s = compiled_call(generate_tokens, (target.params, tokens, lengths, key),
-                                              dict(cfg=target.cfg, gen=gen, cache_len=cache_len))
+                                              dict(cfg=target.cfg, gen=gen, cache_len=cache_len,
+                                                   attention=attention))
         stats = {}
     else:
         if head is None:
@@ -239,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=64, help="tree nodes verified per step, root included")
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--max-depth", type=int, default=None, help="tree depth limit (default: the head's)")
-    p.add_argument("--attention", choices=ATTENTION_IMPLS, default="xla",
-                   help="verify attention path: xla (dense mask), cudnn, pallas (tree kernel, GPU), "
-                        "auto (pallas on GPU, else xla)")
+    p.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
+                   help="attention of decode steps and verify passes: xla (dense mask), cudnn, "
+                        "pallas (tree kernel, GPU), auto (pallas on GPU, else xla)")
     return p
 
 

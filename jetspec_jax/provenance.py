@@ -30,14 +30,18 @@ def environment() -> dict[str, Any]:
             info[name] = __import__(name).__version__
         except ImportError:
             pass
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                            check=True, cwd=os.path.dirname(os.path.abspath(__file__))
-                                            ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        # the device machine gets the tree without .git: the caller passes the commit in
-        info["git_commit"] = os.environ.get("JETSPEC_COMMIT")
+    info["git_commit"] = os.environ.get("JETSPEC_COMMIT") or git_head()
     return info
+
+
+def git_head() -> str | None:
+    """HEAD of the checkout holding this package. A copy sent to another machine may carry stale
+    git metadata (seen on the device machine), so a caller there passes JETSPEC_COMMIT instead."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def write_json_atomic(path: str, payload: Any) -> None:

@@ -36,7 +36,7 @@ class SpecConfig:
     budget: int = 64  # tree nodes verified per step, the root included
     width: int = 7  # candidates per depth (ignored by dflash, which uses 1)
     max_depth: int | None = None  # None: as deep as the drafter predicts
-    attention_impl: str = "xla"  # verify attention: xla (dense mask) | cudnn | pallas | pallas_interpret
+    attention_impl: str = "auto"  # verify attention (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
 
     def __post_init__(self):
         if self.method not in METHODS:

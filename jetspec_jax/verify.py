@@ -28,7 +28,7 @@ class Acceptance(NamedTuple):
 
 
 def verify_tree(params: Any, tree: Tree, cache: KVCache, cfg: qwen3.Config, tap_layers: tuple[int, ...],
-                attention_impl: str = "xla"):
+                attention_impl: str = "auto"):
     """Runs the target on the tree nodes (positions = cache length + depth, ancestor mask).
     Returns (logits (B, N, V), taps (B, N, n_taps, D) or None, cache with the nodes written)."""
     positions = cache.lengths[:, None] + tree.depths

@@ -124,9 +124,18 @@ def test_changed_settings_are_refused(finished_run, capsys):
     assert "different settings (max_new_tokens)" in capsys.readouterr().err
 
 
-def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog):
+def test_shipped_heads_serve_every_method(finished_run):
+    _, target = finished_run
+    heads = resolve_heads(("ar", "dflash", "ddtree", "jetspec"), {}, target.source, allow_untrained=False)
+    assert set(heads) == {"jetspec", "bidirectional"}
+    assert heads["bidirectional"].sha256 is not None and heads["bidirectional"].block_size == 16
+
+
+def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog, monkeypatch):
     _, target = finished_run
     methods = ("ar", "dflash", "ddtree", "jetspec")
+    only_jetspec = lambda source, method: packaged_head_path(source, method) if method == "jetspec" else None  # noqa: E731
+    monkeypatch.setattr("jetspec_jax.eval.heads.packaged_head_path", only_jetspec)
     with caplog.at_level(logging.WARNING):
         heads = resolve_heads(methods, {}, target.source, allow_untrained=False)
     assert set(heads) == {"jetspec"}
@@ -142,6 +151,7 @@ def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog)
     (["--benchmarks", "gsm9k"], "unknown benchmark 'gsm9k'"),
     (["--methods", "eagle"], "unknown method 'eagle'"),
     (["--budgets", "1"], "budget must be >= 2"),
+    (["--prompt-bucket", "0"], "prompt_bucket must be >= 1"),
     (["--heads", "jetspec=/no/such/head"], "no draft head at /no/such/head"),
     (["--heads", "causal=/tmp"], "expected ROLE=DIR"),
     (["--data-dir", "/no/such/data"], "does not exist; point --data-dir"),

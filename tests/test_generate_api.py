@@ -67,24 +67,26 @@ def test_cli_default_is_jetspec_with_the_shipped_head(capsys):
     assert capsys.readouterr().out == spec.out
 
 
-def test_cli_without_a_trained_head_warns(capsys):
+def test_cli_without_a_trained_head_warns(capsys, monkeypatch):
+    monkeypatch.setattr("jetspec_jax.generate.packaged_head_path", lambda source, method: None)
     assert main(["What is 2 plus 2?", "--method", "ddtree", "--budget", "8", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     assert "untrained head" in err and "tau" in err and "ddtree" in err
 
 
-def test_shipped_head_is_lossless_and_accepts(embedded_target):
-    """The trained head on unseen GSM8K-style questions: token-identical to AR in fp32, tau well above 1."""
+@pytest.mark.parametrize("method,budgets", [("jetspec", (16, 64)), ("ddtree", (64,)), ("dflash", (16,))])
+def test_shipped_heads_are_lossless_and_accept(embedded_target, method, budgets):
+    """The trained heads on unseen GSM8K-style questions: token-identical to AR in fp32, tau well above 1."""
     from jetspec_jax.loading.head_checkpoint import packaged_head_path
 
-    path = packaged_head_path(embedded_target.source, "jetspec")
+    path = packaged_head_path(embedded_target.source, method)
     assert path is not None
     head = load_head(path, jnp.float32)
     prompts = ["A farmer has 12 cows and buys 7 more. Then he sells 5. How many cows does he have?",
                "Tom reads 15 pages a day. How many pages does he read in 2 weeks?",
                "What is the sum of the first 10 positive integers?"]
     ar = generate(prompts, embedded_target, max_new_tokens=64)
-    for budget in (16, 64):
-        spec = generate(prompts, embedded_target, method="jetspec", head=head, budget=budget, max_new_tokens=64)
+    for budget in budgets:
+        spec = generate(prompts, embedded_target, method=method, head=head, budget=budget, max_new_tokens=64)
         assert spec.token_ids == ar.token_ids
         assert spec.tau > 1.8

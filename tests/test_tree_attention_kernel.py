@@ -69,7 +69,7 @@ def test_packing_round_trip():
     assert (np.asarray(unpack_tree_mask(words, 70)) == anc).all()
 
 
-def test_speculative_generate_with_the_kernel_equals_ar(tiny_qwen3):
+def test_ar_and_speculative_generate_through_the_kernel_equal_ar(tiny_qwen3):
     from drafters import TargetGreedyDrafter
 
     from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
@@ -80,7 +80,11 @@ def test_speculative_generate_with_the_kernel_equals_ar(tiny_qwen3):
     tokens, lengths = pad_prompts([[5, 12, 40], [7, 1, 2, 3, 4]], pad_id=0, bucket=8)
     gen = GenerationConfig(max_new_tokens=10)
     want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                           cfg=target.cfg, gen=gen, cache_len=24)
+                           cfg=target.cfg, gen=gen, cache_len=24, attention="xla")
+    ar_through_kernel = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                        jax.random.key(0), cfg=target.cfg, gen=gen, cache_len=24,
+                                        attention="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(ar_through_kernel.tokens), np.asarray(want.tokens))
     spec = SpecConfig("jetspec", budget=8, width=2, attention_impl="pallas_interpret")
     got = speculative_generate(target.params, None, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
                                cfg=target.cfg, drafter=TargetGreedyDrafter(target.cfg, 3), spec=spec, gen=gen,
