@@ -210,20 +210,12 @@ def head_layer(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, c
                mask: jax.Array, cos: jax.Array, sin: jax.Array, cfg: DraftConfig) -> jax.Array:
     """One decoder layer for block queries x (B, T, D) against [context keys ; block keys].
     mask (B, T, C + T) covers both."""
-    b, t, _ = x.shape
-    hidden = qwen3.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    q = (hidden @ layer["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = (hidden @ layer["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (hidden @ layer["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q = qwen3.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-    k = qwen3.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    q, k = qwen3.apply_rope(q, cos, sin), qwen3.apply_rope(k, cos, sin)
+    layer_cfg = cfg.layer_config()
+    q, k, v = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
     keys = jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], axis=1)
     values = jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], axis=1)
-    attn = qwen3.attention_scores_softmax(q, keys, values, mask).reshape(b, t, -1)
-    x = x + attn @ layer["wo"]
-    hidden = qwen3.rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    return x + qwen3.dense_mlp(hidden, layer)
+    attn = qwen3.attention_scores_softmax(q, keys, values, mask)
+    return qwen3.finish_layer(x, attn, layer, layer_cfg, 0)
 
 
 def block_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any], anchor: jax.Array,

@@ -388,6 +388,34 @@ def moe_mlp(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config) -> jax.Ar
 # Forward
 
 
+def attention_inputs(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config, cos: jax.Array,
+                     sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's attention half up to the scores: pre-norm, q/k/v projections, QK-norm and RoPE.
+    x (B, T, D) -> q (B, T, H, hd), k and v (B, T, Hkv, hd). Shared by the target and the draft head."""
+    b, t, _ = x.shape
+    h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = project_qkv(hidden, layer, cfg)
+    q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    qk = apply_rope(jnp.concatenate([q, k], axis=2), cos, sin)  # one kernel for both
+    return qk[:, :, :h], qk[:, :, h:], v
+
+
+def finish_layer(x: jax.Array, attn: jax.Array, layer: Mapping[str, jax.Array], cfg: Config,
+                 layer_index: int) -> jax.Array:
+    """The rest of a layer after attention (B, T, H, hd): output projection, residual, MLP."""
+    b, t = x.shape[:2]
+    attn = attn.reshape(b, t, -1) @ layer["wo"]
+    if cfg.attention_bias:
+        attn = attn + layer["bo"]
+    x = x + attn
+    hidden = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    return x + (moe_mlp(hidden, layer, cfg) if cfg.is_moe_layer(layer_index) else dense_mlp(hidden, layer))
+
+
 def forward(
     params: Mapping[str, Any],
     tokens: jax.Array,
@@ -426,17 +454,9 @@ def forward(
     else:
         block = jnp.tril(jnp.ones((t, t), bool))[None] if mask is None else mask
         packed_mask = pack_tree_mask(jnp.broadcast_to(block, (b, t, t)))
-    hd, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     new_k, new_v, taps = list(cache.k), list(cache.v), []
     for i, layer in enumerate(params["layers"]):
-        hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = project_qkv(hidden, layer, cfg)
-        q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
-        if cfg.qk_norm:
-            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-        qk = apply_rope(jnp.concatenate([q, k], axis=2), cos, sin)  # one kernel for both
-        q, k = qk[:, :, :h], qk[:, :, h:]
+        q, k, v = attention_inputs(x, layer, cfg, cos, sin)
         new_k[i] = write_block(new_k[i], k, cache.lengths)
         new_v[i] = write_block(new_v[i], v, cache.lengths)
         if attention_impl == "xla":
@@ -446,13 +466,7 @@ def forward(
                                                 implementation="cudnn")
         else:
             attn = tree_attention(q, new_k[i], new_v[i], cache.lengths, packed_mask, implementation=attention_impl)
-        attn = attn.reshape(b, t, h * hd)
-        attn = attn @ layer["wo"]
-        if cfg.attention_bias:
-            attn = attn + layer["bo"]
-        x = x + attn
-        hidden = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (moe_mlp(hidden, layer, cfg) if cfg.is_moe_layer(i) else dense_mlp(hidden, layer))
+        x = finish_layer(x, attn, layer, cfg, i)
         if i in tap_layers:
             taps.append(x)
     tap_out = None
