@@ -34,8 +34,9 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
 
-from jetspec_jax.kernels.tree_attention import (TreeAttentionTuning, ancestors_from_parents, pack_tree_mask,  # noqa: E402
-                                                random_tree_parents, tree_attention, tree_attention_reference)
+from jetspec_jax.kernels.tree_attention import (  # noqa: E402
+    TreeAttentionTuning, ancestors_from_parents, pack_tree_mask, random_tree_parents, tree_attention,
+    tree_attention_reference)
 from jetspec_jax.models import qwen3  # noqa: E402
 
 BANDWIDTH, MATMUL_FLOPS = 4.3e12, 790e12

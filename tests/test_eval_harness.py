@@ -134,7 +134,9 @@ def test_shipped_heads_serve_every_method(finished_run):
 def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog, monkeypatch):
     _, target = finished_run
     methods = ("ar", "dflash", "ddtree", "jetspec")
-    only_jetspec = lambda source, method: packaged_head_path(source, method) if method == "jetspec" else None  # noqa: E731
+    def only_jetspec(source, method):
+        return packaged_head_path(source, method) if method == "jetspec" else None
+
     monkeypatch.setattr("jetspec_jax.eval.heads.packaged_head_path", only_jetspec)
     with caplog.at_level(logging.WARNING):
         heads = resolve_heads(methods, {}, target.source, allow_untrained=False)

@@ -116,8 +116,8 @@ def test_max_steps_stops_cleanly_and_a_later_run_continues_the_same_schedule(emb
     train(tiny_config(tmp_path / "a", "optim.total_steps=5"), embedded_target, training_records, mesh=one_device(),
           on_step=lambda s, r: straight.__setitem__(s, r["loss"]))
     head_dir = tmp_path / "head"
-    summary = train(tiny_config(tmp_path / "b", "optim.total_steps=5", "run.max_steps=3", f"run.export_head={head_dir}"),
-                    embedded_target, training_records, mesh=one_device(),
+    stopped = tiny_config(tmp_path / "b", "optim.total_steps=5", "run.max_steps=3", f"run.export_head={head_dir}")
+    summary = train(stopped, embedded_target, training_records, mesh=one_device(),
                     on_step=lambda s, r: first.__setitem__(s, r["loss"]))
     assert summary["steps"] == 3 and (head_dir / "head.safetensors").is_file()
     train(tiny_config(tmp_path / "b", "optim.total_steps=5"), embedded_target, training_records, mesh=one_device(),

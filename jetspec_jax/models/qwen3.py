@@ -435,9 +435,10 @@ def forward(
     is always visible. `cache.lengths` is not advanced.
     tap_layers: layer indices whose outputs to return (HF hidden_states[i+1]), as (B, T, n, D).
     logits_indices: (B, K) block positions whose logits to compute; None computes all T.
-    attention_impl: "auto" (the Pallas kernel on GPU, "xla" elsewhere), "xla" (dense mask over the cache), "cudnn" (the same dense mask through
-    jax.nn.dot_product_attention's cuDNN path; GPU, bf16/fp16 only), or "pallas" / "pallas_interpret"
-    (the tree attention kernel with a packed block mask; see kernels/tree_attention.py).
+    attention_impl: "auto" (the Pallas kernel on GPU, "xla" elsewhere), "xla" (dense mask over the
+    cache), "cudnn" (the same dense mask through jax.nn.dot_product_attention's cuDNN path; GPU,
+    bf16/fp16 only), or "pallas" / "pallas_interpret" (the tree attention kernel with a packed block
+    mask; see kernels/tree_attention.py).
     Returns (logits (B, T or K, V) fp32, taps or None, cache).
     """
     b, t = tokens.shape
