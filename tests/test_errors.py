@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import make_tiny_checkpoint
 
-from jetspec_jax.generate import encode_prompts, pad_prompts, plan_cache_len
+from jetspec_jax.generate import encode_prompts, generate, pad_prompts, plan_cache_len, random_head
 from jetspec_jax.loading.assemble import CheckpointMismatch
 from jetspec_jax.target import EMBEDDED_INSTALL, embedded_model_path, load_target
 
@@ -68,3 +68,10 @@ def test_cli_reports_errors_without_traceback(capsys):
 
     assert main(["hi", "--model", "/nonexistent/x.gguf"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("attention", ["pallas", "cudnn"])
+def test_gpu_only_attention_paths_are_refused_on_the_cpu(embedded_target, attention):
+    with pytest.raises(ValueError, match=f"attention '{attention}' runs only on a GPU"):
+        generate("hi", embedded_target, method="jetspec", head=random_head(embedded_target, "causal"),
+                 max_new_tokens=4, attention=attention)

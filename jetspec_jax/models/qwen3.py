@@ -446,8 +446,14 @@ def forward(
     dtype = params["embed"].dtype
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl {attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+    on_gpu = jax.default_backend() == "gpu"
     if attention_impl == "auto":
-        attention_impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+        attention_impl = "pallas" if on_gpu else "xla"
+    if attention_impl in ("pallas", "cudnn") and not on_gpu:
+        raise ValueError(f"attention {attention_impl!r} runs only on a GPU (this backend is "
+                         f"{jax.default_backend()}); use 'auto' or 'xla'"
+                         + (", or 'pallas_interpret' for the kernel's semantics" if attention_impl == "pallas"
+                            else ""))
     x = params["embed"][tokens].astype(dtype)
     cos, sin = rope_tables(positions, rope_inverse_frequencies(cfg))
     if attention_impl in ("xla", "cudnn"):
