@@ -120,6 +120,7 @@ def test_max_steps_stops_cleanly_and_a_later_run_continues_the_same_schedule(emb
     summary = train(stopped, embedded_target, training_records, mesh=one_device(),
                     on_step=lambda s, r: first.__setitem__(s, r["loss"]))
     assert summary["steps"] == 3 and (head_dir / "head.safetensors").is_file()
+    assert summary["mesh"] == {"data": 1, "model": 1} and len(summary["devices"]) == 1
     train(tiny_config(tmp_path / "b", "optim.total_steps=5"), embedded_target, training_records, mesh=one_device(),
           on_step=lambda s, r: rest.__setitem__(s, r["loss"]))
     assert sorted(first) == [1, 2, 3] and sorted(rest) == [4, 5]

@@ -133,12 +133,12 @@ class Trainer:
                 for k, v in local_batch.items()}
 
     def train_step(self, state, batch):
-        with self.mesh:
+        with jax.set_mesh(self.mesh):
             return self._step(state, self.target_params, self.place_batch(batch))
 
     def evaluate(self, params, batches) -> dict[str, Any]:
         losses, depths, taus, weights = [], [], [], []
-        with self.mesh:
+        with jax.set_mesh(self.mesh):
             for batch in batches:
                 loss, per_depth, tau = self._evaluate(params, self.target_params,
                                                       self.place_batch(batch, replicate=True))
@@ -290,7 +290,8 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
         ckpt.wait()
     ckpt.close()
     bar.close()
-    summary = {"steps": step, "tokens_seen": step * tokens_per_step,
+    summary = {"steps": step, "tokens_seen": step * tokens_per_step, "mesh": dict(mesh.shape),
+               "devices": [d.device_kind for d in mesh.devices.flat],
                "train_seconds_this_run": time.perf_counter() - t_start, **last_eval}
     if cfg.run.export_head:
         params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), state["params"])
