@@ -123,7 +123,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results/ar_decode.json")
     args = p.parse_args()
 
-    target = load_target(dtype=jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32)
+    target = load_target()  # bf16 on the GPU, fp32 on the CPU
     prompt_ids = encode_prompts(target.tokenizer, PROMPTS)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
     rows = []

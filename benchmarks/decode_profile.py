@@ -20,6 +20,7 @@ from common import time_call  # noqa: E402
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
+from jetspec_jax.target import default_dtype  # noqa: E402
 
 SMOLLM2_135M = qwen3.Config(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30,
                             num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
@@ -40,7 +41,7 @@ def entry_kernels(compiled_text: str) -> collections.Counter:
 
 def main():
     cfg = SMOLLM2_135M
-    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    dtype = default_dtype()
     params = init_params(qwen3.param_specs(cfg), jax.random.key(0), dtype)
     fused = qwen3.fuse_for_decode(params)
     for batch, cache_len in ((1, 320), (8, 384)):

@@ -20,7 +20,7 @@ from common import environment, print_table, write_json_atomic  # noqa: E402
 
 from jetspec_jax.generate import generate  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head  # noqa: E402
-from jetspec_jax.target import load_target  # noqa: E402
+from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
 
@@ -38,8 +38,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results/head_tau.json")
     args = p.parse_args()
 
-    dtype = jnp.dtype(args.dtype) if args.dtype else (jnp.bfloat16 if jax.default_backend() != "cpu"
-                                                      else jnp.float32)
+    dtype = jnp.dtype(args.dtype) if args.dtype else default_dtype()
     if dtype == jnp.float32:  # true fp32 matmuls: the GPU default would use TF32 and flip near-ties
         jax.config.update("jax_default_matmul_precision", "highest")
     target = load_target(dtype=dtype)

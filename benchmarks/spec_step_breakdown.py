@@ -37,7 +37,7 @@ from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  #
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
 from jetspec_jax.speculative import ATTENTION_IMPLS, HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
-from jetspec_jax.target import load_target  # noqa: E402
+from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.tree import build_tree, top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
 
@@ -94,7 +94,7 @@ def main():
     args = p.parse_args()
     iters = args.iters or (10 if args.target == "qwen3-8b-shaped" else 50)
 
-    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    dtype = default_dtype()
     cfg, params, head_cfg, head, description = load_models(args, dtype)
     drafter = HeadDrafter(head_cfg, cfg)
     depth, taps_wanted = head_cfg.max_depth, head_cfg.tap_layers

@@ -192,13 +192,18 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
 
 
+def default_implementation() -> str:
+    """The attention path used unless one is named: the kernel on GPU, the reference elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array, *,
                    implementation: str | None = None,
                    tuning: TreeAttentionTuning = TreeAttentionTuning()) -> jax.Array:
     """Entry point: implementation None picks "pallas" on GPU and "xla" (the reference) elsewhere;
     "pallas_interpret" runs the kernel's semantics anywhere (tests)."""
     if implementation is None:
-        implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+        implementation = default_implementation()
     if implementation == "xla":
         return tree_attention_reference(q, k, v, lengths, tree_words)
     if implementation in ("pallas", "pallas_interpret"):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax.kernels.tree_attention import default_implementation as default_tree_attention
 from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models.params import ParamSpec
@@ -446,10 +447,9 @@ def forward(
     dtype = params["embed"].dtype
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl {attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
-    on_gpu = jax.default_backend() == "gpu"
     if attention_impl == "auto":
-        attention_impl = "pallas" if on_gpu else "xla"
-    if attention_impl in ("pallas", "cudnn") and not on_gpu:
+        attention_impl = default_tree_attention()
+    if attention_impl in ("pallas", "cudnn") and jax.default_backend() != "gpu":
         raise ValueError(f"attention {attention_impl!r} runs only on a GPU (this backend is "
                          f"{jax.default_backend()}); use 'auto' or 'xla'"
                          + (", or 'pallas_interpret' for the kernel's semantics" if attention_impl == "pallas"
