@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
 
 from jetspec_jax.kernels.tree_attention import (  # noqa: E402
-    TreeAttentionTuning, ancestors_from_parents, pack_tree_mask, random_tree_parents, tree_attention,
-    tree_attention_reference)
+    TreeAttentionTuning, ancestors_from_parents, block_rows_for, pack_tree_mask, random_tree_parents, rows_layout,
+    tree_attention, tree_attention_reference, tree_attention_splits)
 from jetspec_jax.models import qwen3  # noqa: E402
 
 BANDWIDTH, MATMUL_FLOPS = 4.3e12, 790e12
@@ -77,34 +77,46 @@ def mosaic_fa3():
     return run
 
 
+def kernel_only(q, k, v, lengths, anc, kernel_impl, tuning):
+    """The pallas_call without the layout and merge around it (where the time goes). Its chain state
+    is the kernel's q rows; one slice-and-cast op per call links the chain."""
+    b, n, h, _ = q.shape
+    block_rows = block_rows_for(tuning, h // k.shape[2] * n)
+    q_rows, words = rows_layout(q, pack_tree_mask(anc), k.shape[2], block_rows)
+
+    def fn(q_rows, k, v, lengths, words):
+        out, _ = tree_attention_splits(q_rows, k, v, lengths, words, num_nodes=n, block_rows=block_rows,
+                                       tuning=tuning, interpret=kernel_impl == "pallas_interpret")
+        return out[:, :, 0].astype(q_rows.dtype)
+    return fn, (k, v, lengths, words), q_rows
+
+
 def paths_for(q, k, v, lengths, anc, kernel_impl, tuning):
-    """name -> (fn(q, *rest) -> same shape as q, rest)."""
+    """name -> (fn(x, *rest) -> same shape as x, rest, x); x is q unless a path needs another layout."""
     words = pack_tree_mask(anc)
     n, s = q.shape[1], k.shape[1]
     dense = qwen3.block_attention_mask(lengths, n, s, anc)
     paths = {
         "pallas": (lambda q, k, v, l, w: tree_attention(q, k, v, l, w, implementation=kernel_impl, tuning=tuning),
-                   (k, v, lengths, words)),
-        "xla_dense": (lambda q, k, v, m: qwen3.attention_scores_softmax(q, k, v, m), (k, v, dense)),
+                   (k, v, lengths, words), q),
+        "pallas_kernel_only": kernel_only(q, k, v, lengths, anc, kernel_impl, tuning),
+        "one_op_floor": (lambda q: -q, (), q),  # what one trivial XLA op costs in this timing loop
+        "xla_dense": (lambda q, k, v, m: qwen3.attention_scores_softmax(q, k, v, m), (k, v, dense), q),
     }
     if jax.default_backend() == "gpu":
         paths["cudnn"] = (lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None],
                                                                           implementation="cudnn"),
-                          (k, v, dense))
+                          (k, v, dense), q)
         fa3 = mosaic_fa3()
         if fa3 is not None:
             s_pad = -(-s // 128) * 128
             kp = jnp.pad(k, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
             vp = jnp.pad(v, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
-            paths["mosaic_fa3_nomask"] = (fa3, (kp.astype(jnp.float16), vp.astype(jnp.float16)))
+            n_pad = -(-n // 128) * 128
+            qp = jnp.pad(q, ((0, 0), (0, n_pad - n), (0, 0), (0, 0)))
+            paths["mosaic_fa3_nomask"] = (fa3, (kp.astype(jnp.float16), vp.astype(jnp.float16)),
+                                          qp.astype(jnp.float16))
     return paths
-
-
-def pad_queries(q, name):
-    if name != "mosaic_fa3_nomask":
-        return q
-    n_pad = -(-q.shape[1] // 128) * 128
-    return jnp.pad(q, ((0, 0), (0, n_pad - q.shape[1]), (0, 0), (0, 0))).astype(jnp.float16)
 
 
 def measure(rows, base, fn, q, rest, iters, nbytes, flops, out_path, payload):
@@ -136,9 +148,12 @@ def check_kernel(kernel_impl, tuning, dtype):
     return err
 
 
-SWEEP = [TreeAttentionTuning(block_rows=r, block_k=kb, num_warps=w, num_stages=st)
-         for r, kb, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 128, 4, 2), (64, 128, 8, 2),
-                              (128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)]]
+SWEEP = [TreeAttentionTuning(block_rows=r, block_k=kb, num_warps=w, num_stages=st, target_programs=tp)
+         for r, kb, w, st, tp in [(64, 64, 4, 2, 264), (64, 64, 4, 3, 264), (64, 64, 8, 2, 264), (64, 128, 4, 2, 264),
+                                  (64, 128, 8, 2, 264), (128, 64, 4, 2, 264), (128, 64, 8, 2, 264),
+                                  (128, 128, 8, 2, 264), (64, 64, 4, 4, 264), (128, 64, 4, 3, 264),
+                                  (64, 64, 4, 3, 132), (64, 64, 4, 3, 528), (64, 64, 4, 3, 1056),
+                                  (64, 32, 4, 3, 264), (32, 64, 4, 3, 264)]]
 
 
 def tuning_sweep(args, dtype, payload):
@@ -166,7 +181,7 @@ def tuning_sweep(args, dtype, payload):
 
 
 def tuning_name(t: TreeAttentionTuning) -> str:
-    return f"rows{t.block_rows}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}"
+    return f"rows{t.block_rows}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}_p{t.target_programs}"
 
 
 def main():
@@ -174,6 +189,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="tiny shapes (for the CPU)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default="benchmarks/results/tree_attention.json")
+    p.add_argument("--shapes", nargs="+", choices=list(HEAD_SHAPES), default=list(HEAD_SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     args.kernel_impl = "pallas" if on_gpu else "pallas_interpret"
@@ -181,7 +198,8 @@ def main():
         batches, prefixes, nodes, args.iters = [1], [64], [16], 3
         shapes = {"smollm2-135m": HEAD_SHAPES["smollm2-135m"]}
     else:
-        batches, prefixes, nodes, shapes = [1, 8], [1024, 4096, 16384], [16, 64, 256], HEAD_SHAPES
+        batches, prefixes, nodes = args.batches, [1024, 4096, 16384], [16, 64, 256]
+        shapes = {name: HEAD_SHAPES[name] for name in args.shapes}
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     payload = dict(benchmark="tree_attention", sweep=[], attention=[], iters=args.iters,
                    ceilings=dict(bandwidth_bytes_per_s=BANDWIDTH, bf16_flops=MATMUL_FLOPS),
@@ -197,11 +215,10 @@ def main():
             q, k, v, lengths, anc = inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype)
             nbytes = (q.size * 2 + 2 * k.size) * q.dtype.itemsize
             flops = 4 * n * (prefix + n) * heads * d * batch
-            for name, (fn, rest) in paths_for(q, k, v, lengths, anc, args.kernel_impl, best).items():
+            for name, (fn, rest, x) in paths_for(q, k, v, lengths, anc, args.kernel_impl, best).items():
                 base = dict(shape=shape_name, batch=batch, L=prefix, N=n, path=name,
                             target_us=TARGETS_US.get((shape_name, batch, prefix, n)))
-                measure(payload["attention"], base, fn, pad_queries(q, name), rest, args.iters, nbytes, flops,
-                        args.out, payload)
+                measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload)
     print_table(payload["sweep"], ["shape", "batch", "L", "N", "tuning", "us", "error"])
     print_table(payload["attention"], ["shape", "batch", "L", "N", "path", "us", "target_us", "bandwidth_frac",
                                        "flops_frac", "error"])

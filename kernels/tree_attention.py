@@ -143,30 +143,40 @@ def _next_power_of_two(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
-def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array,
-                          *, tuning: TreeAttentionTuning = TreeAttentionTuning(),
-                          interpret: bool = False) -> jax.Array:
-    """The Pallas kernel; same contract as `tree_attention_reference`. Needs lengths + N <= S.
-    K/V are read in place from the (B, S, Hkv, D) cache (strided), never transposed or copied."""
+def rows_layout(q: jax.Array, tree_words: jax.Array, num_kv_heads: int, block_rows: int):
+    """q (B, N, H, D) -> (B, Hkv, R, D) kernel rows and their tree words (B, R, W), R padded to a
+    multiple of block_rows. Row g * N + i of KV head j is query head j * group + g at node i; padded
+    rows see the root, so every row has a finite softmax (they are cut off after the merge)."""
     b, n, h, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
-    group = h // hkv
-    rows = group * n  # row g * n + i is query head (kv head * group + g) at node i
-    block_rows = max(16, min(tuning.block_rows, _next_power_of_two(rows)))
+    group = h // num_kv_heads
+    rows = group * n
     rows_pad = -(-rows // block_rows) * block_rows
-    row_blocks = rows_pad // block_rows
-    num_words = tree_words.shape[-1]
-    splits = tuning.splits_for(s, b * hkv * row_blocks)
-    split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
-    # padded rows see the root, so every row has a finite softmax; they are cut off below
     words = jnp.pad(jnp.tile(tree_words, (1, group, 1)), ((0, 0), (0, rows_pad - rows), (0, 0)))
     words = words.at[:, rows:, 0].set(jnp.uint32(1))
-    q_rows = q.reshape(b, n, hkv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, rows, d)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-    kernel = functools.partial(_tree_attention_kernel, num_nodes=n, num_words=num_words, prefix_splits=splits,
-                               split_rows=split_rows, block_k=tuning.block_k, scale=1.0 / math.sqrt(d))
-    out, lse = pl.pallas_call(
+    q_rows = q.reshape(b, n, num_kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, num_kv_heads, rows, d)
+    return jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0))), words
+
+
+def block_rows_for(tuning: TreeAttentionTuning, rows: int) -> int:
+    return max(16, min(tuning.block_rows, _next_power_of_two(rows)))
+
+
+@functools.partial(jax.jit, static_argnames=("num_nodes", "block_rows", "tuning", "interpret"))
+def tree_attention_splits(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, words: jax.Array,
+                          *, num_nodes: int, block_rows: int, tuning: TreeAttentionTuning,
+                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The pallas_call alone, on `rows_layout`'s inputs: per-split normalised outputs
+    (B, Hkv, splits + 1, R, D) and log-sum-exps (B, Hkv, splits + 1, R), both fp32."""
+    b, hkv, rows_pad, d = q_rows.shape
+    s = k.shape[1]
+    row_blocks = rows_pad // block_rows
+    num_words = words.shape[-1]
+    splits = tuning.splits_for(s, b * hkv * row_blocks)
+    split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
+    kernel = functools.partial(_tree_attention_kernel, num_nodes=num_nodes, num_words=num_words,
+                               prefix_splits=splits, split_rows=split_rows, block_k=tuning.block_k,
+                               scale=1.0 / math.sqrt(d))
+    return pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, splits + 1),
         in_specs=[
@@ -186,9 +196,24 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
         interpret=interpret,
         name="tree_attention",
     )(lengths.astype(jnp.int32), q_rows, k, v, words)
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array,
+                          *, tuning: TreeAttentionTuning = TreeAttentionTuning(),
+                          interpret: bool = False) -> jax.Array:
+    """The Pallas kernel; same contract as `tree_attention_reference`. Needs lengths + N <= S.
+    K/V are read in place from the (B, S, Hkv, D) cache (strided), never transposed or copied."""
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    group = h // hkv
+    block_rows = block_rows_for(tuning, group * n)
+    q_rows, words = rows_layout(q, tree_words, hkv, block_rows)
+    out, lse = tree_attention_splits(q_rows, k, v, lengths, words, num_nodes=n, block_rows=block_rows,
+                                     tuning=tuning, interpret=interpret)
     # merge the splits: weights exp(lse_s - lse_total); empty splits have lse = -inf
     total = jax.nn.logsumexp(lse, axis=2, keepdims=True)
-    merged = jnp.sum(out * jnp.exp(lse - total)[..., None], axis=2)[:, :, :rows]  # (B, Hkv, rows, D)
+    merged = jnp.sum(out * jnp.exp(lse - total)[..., None], axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
 
 

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The H200 session behind eval/results and this session's benchmark JSONs, on `nvidia-h200-x2`:
+# GPU 0 runs the eval queue for GSM8K, MATH-500 and HumanEval; GPU 1 first runs the kernel and cost
+# benchmarks and an fp32 losslessness check, then the eval queue for MBPP, MT-Bench and AIME25.
+# Every step resumes (result files are appended line by line), so the script is simply called again
+# in the next device call until everything is there; all results are packed into $OUT/session.tgz.
+#
+#   bash benchmarks/h200_eval_session.sh SECONDS   (run from the repo root, after the model is staged)
+set -u
+budget=${1:-560}
+deadline=$(( $(date +%s) + budget ))
+left() { echo $(( deadline - $(date +%s) )); }
+within() {  # SECONDS command...: runs it for at most SECONDS and never past the deadline
+  local t=$1 l; l=$(left); shift
+  [ "$l" -gt 10 ] || return 1
+  timeout $(( t < l ? t : l )) "$@"
+}
+
+export JETSPEC_GGUF=${JETSPEC_GGUF:-/tmp/jetspec-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+export PYTHONPATH=/tmp/jetspec-site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
+ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
+runs=/tmp/evalrun bench=/tmp/evalrun/bench
+mkdir -p "$bench"
+[ -d .evalrun ] && cp -n .evalrun/* "$runs/" 2>/dev/null  # results carried back in after a lost machine
+data=.carry/evaldata
+common=(--prompt-bucket 512 --max-new-tokens 512 --data-dir "$data" --no-progress)
+
+eval_queue() {  # gpu results-file benchmarks...
+  local gpu=$1 results=$2; shift 2
+  for limit in 32 64; do
+    CUDA_VISIBLE_DEVICES=$gpu within 100000 python -m jetspec_jax.eval run --benchmarks "$@" --limit $limit \
+      --temperatures 0 "${common[@]}" --results "$results" || return
+    CUDA_VISIBLE_DEVICES=$gpu within 100000 python -m jetspec_jax.eval run --benchmarks "$@" --limit $limit \
+      --temperatures 1 --methods ar jetspec ddtree --budgets 64 256 "${common[@]}" --results "$results" || return
+  done
+}
+
+once() {  # name timeout command...: runs a benchmark step unless an earlier call finished it
+  local name=$1 t=$2; shift 2
+  [ -f "$bench/$name.done" ] && return
+  CUDA_VISIBLE_DEVICES=1 within "$t" "$@" >> "$bench/$name.log" 2>&1 && touch "$bench/$name.done"
+}
+
+gpu1() {
+  once tree_attention 200 python benchmarks/tree_attention_bench.py --shapes qwen3-8b --batches 1 \
+    --out "$bench/tree_attention_h200_session3.json"
+  once embedded_pallas 120 python benchmarks/spec_step_breakdown.py --attention pallas --budgets 16 64 256 \
+    --out "$bench/spec_step_breakdown_pallas_h200_session3.json"
+  once qwen3_8b_4096 200 python benchmarks/spec_step_breakdown.py --target qwen3-8b-shaped --contexts 4096 \
+    --budgets 16 64 256 --attention pallas cudnn --out "$bench/qwen3_8b_cost_4096_h200.json"
+  once qwen3_8b_1024_cudnn 100 python benchmarks/spec_step_breakdown.py --target qwen3-8b-shaped \
+    --contexts 1024 --budgets 16 64 256 --attention cudnn --out "$bench/qwen3_8b_cost_1024_cudnn_h200.json"
+  once fp32_lossless 200 python -m jetspec_jax.eval run --dtype float32 --limit 3 \
+    --methods ar jetspec ddtree dflash --budgets 16 256 "${common[@]}" --results "$runs/fp32_lossless.jsonl"
+  eval_queue 1 "$runs/gpu1.jsonl" mbpp mt_bench aime25 >> "$runs/gpu1.log" 2>&1
+}
+
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+eval_queue 0 "$runs/gpu0.jsonl" gsm8k math500 humaneval >> "$runs/gpu0.log" 2>&1 &
+gpu1 &
+wait
+for f in "$runs"/*.jsonl; do echo "$f: $(wc -l < "$f") lines"; done
+tail -n 3 "$runs"/*.log "$bench"/*.log
+tar czf "${OUT:-/tmp}/session.tgz" -C /tmp evalrun
