@@ -1,5 +1,5 @@
-"""Shared helpers for benchmark scripts: timing with the device clock and table printing (provenance
-and atomic JSON come from jetspec_jax.provenance)."""
+"""Shared helpers for benchmark scripts: timing with the device clock, table printing and the eval's
+prompt tokens (provenance and atomic JSON come from jetspec_jax.provenance)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,19 @@ def time_call(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5) -> fl
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def eval_prompt_ids(tokenizer, benchmarks, data_dir) -> dict[tuple[str, str], list[int]]:
+    """(benchmark, id) -> the prompt tokens the eval runner fed the target (chat template applied)."""
+    from jetspec_jax.eval.datasets import load_benchmark
+    from jetspec_jax.generate import encode_prompts
+
+    ids = {}
+    for benchmark in sorted(set(benchmarks)):
+        items = load_benchmark(benchmark, data_dir, None)
+        ids.update({(benchmark, item.id): x for item, x in
+                    zip(items, encode_prompts(tokenizer, [item.prompt for item in items]))})
+    return ids
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -4,10 +4,15 @@
 # benchmarks and an fp32 losslessness check, then the eval queue for MBPP, MT-Bench and AIME25.
 # Every step resumes (result files are appended line by line), so the script is simply called again
 # in the next device call until everything is there; all results are packed into $OUT/session.tgz.
+# A fresh machine starts from the archived runs in eval/results (gunzipped), so a later session
+# continues them; archive the returned files there again with gzip -9. (The recorded run used this
+# script as of commit d9bb84c: results named gpu0/gpu1.jsonl, 200 s for the fp32 check.)
 #
-#   bash benchmarks/h200_eval_session.sh SECONDS   (run from the repo root, after the model is staged)
+#   bash benchmarks/h200_eval_session.sh SECONDS [no-benches]   (repo root, after the model is staged)
+# no-benches: GPU 1 skips the timing benchmarks (their JSONs are in benchmarks/results already).
 set -u
 budget=${1:-560}
+benches=${2:-benches}
 deadline=$(( $(date +%s) + budget ))
 left() { echo $(( deadline - $(date +%s) )); }
 within() {  # SECONDS command...: runs it for at most SECONDS and never past the deadline
@@ -22,7 +27,10 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_
 ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
 runs=/tmp/evalrun bench=/tmp/evalrun/bench
 mkdir -p "$bench"
-[ -d .evalrun ] && cp -n .evalrun/* "$runs/" 2>/dev/null  # results carried back in after a lost machine
+for archived in eval/results/h200_*.jsonl.gz; do
+  name=$(basename "$archived" .gz)
+  [ -f "$runs/$name" ] || { gunzip -c "$archived" > "$runs/$name" && cp "$archived.meta.json" "$runs/$name.meta.json"; }
+done
 data=.carry/evaldata
 common=(--prompt-bucket 512 --max-new-tokens 512 --data-dir "$data" --no-progress)
 
@@ -43,6 +51,13 @@ once() {  # name timeout command...: runs a benchmark step unless an earlier cal
 }
 
 gpu1() {
+  [ "$benches" = no-benches ] || timing_benchmarks
+  once fp32_lossless 400 python -m jetspec_jax.eval run --dtype float32 --limit 3 \
+    --methods ar jetspec ddtree dflash --budgets 16 256 "${common[@]}" --results "$runs/h200_fp32_lossless_check.jsonl"
+  eval_queue 1 "$runs/h200_bf16_mbpp_mtbench_aime25.jsonl" mbpp mt_bench aime25 >> "$runs/gpu1.log" 2>&1
+}
+
+timing_benchmarks() {
   once tree_attention 200 python benchmarks/tree_attention_bench.py --shapes qwen3-8b --batches 1 \
     --out "$bench/tree_attention_h200_session3.json"
   once embedded_pallas 120 python benchmarks/spec_step_breakdown.py --attention pallas --budgets 16 64 256 \
@@ -51,13 +66,10 @@ gpu1() {
     --budgets 16 64 256 --attention pallas cudnn --out "$bench/qwen3_8b_cost_4096_h200.json"
   once qwen3_8b_1024_cudnn 100 python benchmarks/spec_step_breakdown.py --target qwen3-8b-shaped \
     --contexts 1024 --budgets 16 64 256 --attention cudnn --out "$bench/qwen3_8b_cost_1024_cudnn_h200.json"
-  once fp32_lossless 200 python -m jetspec_jax.eval run --dtype float32 --limit 3 \
-    --methods ar jetspec ddtree dflash --budgets 16 256 "${common[@]}" --results "$runs/fp32_lossless.jsonl"
-  eval_queue 1 "$runs/gpu1.jsonl" mbpp mt_bench aime25 >> "$runs/gpu1.log" 2>&1
 }
 
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-eval_queue 0 "$runs/gpu0.jsonl" gsm8k math500 humaneval >> "$runs/gpu0.log" 2>&1 &
+eval_queue 0 "$runs/h200_bf16_gsm8k_math500_humaneval.jsonl" gsm8k math500 humaneval >> "$runs/gpu0.log" 2>&1 &
 gpu1 &
 wait
 for f in "$runs"/*.jsonl; do echo "$f: $(wc -l < "$f") lines"; done

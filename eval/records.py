@@ -3,6 +3,7 @@ as runs finish, plus a `<results>.meta.json` sidecar holding the settings, comma
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -25,11 +26,12 @@ def meta_path(results_path: str) -> str:
 
 
 def read_lines(path: str) -> list[dict]:
-    """Every complete JSON line of a results file (a torn last line from a crash is skipped)."""
+    """Every complete JSON line of a results file, plain or gzipped (archived runs); a torn last line
+    from a crash is skipped."""
     if not os.path.isfile(path):
         return []
     lines = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
             if not text.strip():
                 continue

@@ -68,6 +68,9 @@ class EvalConfig:
         if self.matmul_precision not in (None, "default", "high", "highest"):
             problems.append(f"matmul_precision must be default, high or highest, got "
                             f"{self.matmul_precision!r}")
+        if self.results.endswith(".gz"):
+            problems.append(f"results {self.results!r} is gzipped (an archived run, read-only): gunzip it to "
+                            "resume, or name a new .jsonl file")
         if self.max_new_tokens < 2:
             problems.append(f"max_new_tokens must be >= 2 (1 is the prefill-only call), got "
                             f"{self.max_new_tokens}")

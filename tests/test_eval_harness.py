@@ -158,6 +158,7 @@ def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog,
     (["--heads", "causal=/tmp"], "expected ROLE=DIR"),
     (["--data-dir", "/no/such/data"], "does not exist; point --data-dir"),
     (["--limit"], "expected one argument"),
+    (["--results", "/tmp/archived.jsonl.gz"], "is gzipped (an archived run, read-only)"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("bad input loaded the model"))

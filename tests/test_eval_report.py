@@ -3,10 +3,12 @@ against AR, T=0 mismatch counts (an fp32 mismatch is flagged as a bug), histogra
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 
+from jetspec_jax.eval.records import read_lines
 from jetspec_jax.eval.report import group_metrics, write_report
 
 
@@ -63,3 +65,16 @@ def test_report_counts_mismatches_and_flags_exact_fp32(tmp_path, dtype, precisio
     assert "1 runs failed" in md and "| 0 | jetspec | 32 |" in md and "| 1 | jetspec | 32 |" in md
     report = json.loads(open(paths[1]).read())
     assert report["failed_runs"] == 1 and len(report["groups"]) == 4
+
+
+def test_gzipped_results_read_like_plain_ones(tmp_path):
+    """Archived runs are kept gzipped in the repository; the report reads them as they are."""
+    lines = [line("ar", None), line("jetspec", 16, decode=0.5, forwards=4, accepts=[0, 1, 2, 1], matches=True)]
+    write_lines(tmp_path / "r.jsonl", lines)
+    with gzip.open(tmp_path / "r.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write((tmp_path / "r.jsonl").read_text() + '{"torn": ')  # a crash's partial last line is skipped
+    assert read_lines(str(tmp_path / "r.jsonl.gz")) == read_lines(str(tmp_path / "r.jsonl")) == lines
+    write_report([str(tmp_path / "r.jsonl.gz")], str(tmp_path / "gz"))
+    write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "plain"))
+    groups = [json.loads((tmp_path / d / "report.json").read_text())["groups"] for d in ("gz", "plain")]
+    assert groups[0] == groups[1] and len(groups[0]) == 2
