@@ -4,7 +4,8 @@ Nodes live in fixed arrays padded to the budget B, in insertion order (a parent 
 children); node 0 is the root (the anchor, depth 0, score 0). Growth follows the published
 `accum_logp` rule: pop the frontier node with the highest cumulative log-probability (ties go to the
 earlier-inserted node), and if it is above the depth limit add all its children at once (up to the
-remaining budget). Every node at depth d draws its candidates from the same depth-d distribution.
+remaining budget). Nodes at the depth limit never enter the frontier (popping one changes nothing),
+so the loop has a static trip count. Every node at depth d draws its candidates from the same depth-d distribution.
 A width of 1 gives a chain (the DFlash baseline).
 """
 
@@ -63,29 +64,30 @@ def build_tree(root_token: jax.Array, cand_tokens: jax.Array, cand_logps: jax.Ar
     in_frontier = idx == 0
     cand_logps = jnp.nan_to_num(cand_logps.astype(jnp.float32), nan=-jnp.inf)
 
-    def cond(state):
-        n, frontier = state[0], state[-1]
-        return (n < budget) & jnp.any(frontier)
-
-    def body(state):
+    def pop_and_expand(_, state):
         n, tokens, parents, depths, scores, frontier = state
+        active = (n < budget) & jnp.any(frontier)
         best = jnp.max(jnp.where(frontier, scores, -jnp.inf))
         node = jnp.argmax(frontier & (scores == best))  # first = earliest inserted among ties
-        frontier = frontier.at[node].set(False)
+        frontier = frontier.at[node].set(frontier[node] & ~active)
         depth = depths[node]
-        count = jnp.where(depth < max_depth, jnp.minimum(width, budget - n), 0)
+        count = jnp.where(active, jnp.minimum(width, budget - n), 0)
         slot = jnp.arange(width, dtype=jnp.int32)
         target = jnp.where(slot < count, n + slot, budget)  # out of range: dropped
-        row = jnp.minimum(depth, max_depth - 1)
-        tokens = tokens.at[target].set(cand_tokens[row], mode="drop")
+        tokens = tokens.at[target].set(cand_tokens[depth], mode="drop")
         parents = parents.at[target].set(node, mode="drop")
         depths = depths.at[target].set(depth + 1, mode="drop")
-        scores = scores.at[target].set(scores[node] + cand_logps[row], mode="drop")
-        frontier = frontier.at[target].set(True, mode="drop")
+        scores = scores.at[target].set(scores[node] + cand_logps[depth], mode="drop")
+        # a node at the depth limit has no children: popping it would change nothing, so it never
+        # enters the frontier, and every pop adds nodes
+        frontier = frontier.at[target].set(depth + 1 < max_depth, mode="drop")
         return n + count, tokens, parents, depths, scores, frontier
 
-    n, tokens, parents, depths, scores, _ = lax.while_loop(
-        cond, body, (jnp.int32(1), tokens, parents, depths, scores, in_frontier))
+    # every pop adds min(width, room) nodes, so this many pops fill the budget; a static trip count
+    # lets XLA run the loop without reading a condition back to the host each iteration
+    pops = -(-(budget - 1) // width)
+    n, tokens, parents, depths, scores, _ = lax.fori_loop(
+        0, pops, pop_and_expand, (jnp.int32(1), tokens, parents, depths, scores, in_frontier))
     valid = idx < n
     return Tree(tokens=tokens, parents=parents, depths=depths, scores=scores, valid=valid,
                 ancestors=ancestor_mask(parents, max_depth), num_nodes=n)
