@@ -130,10 +130,11 @@ def main():
                 return cache
 
             ar_ms = per_iteration_ms(ar_body, cache, iters, params, anchor)
+            state = ContextState(args, cfg, params, head, drafter, anchor, cache, ctx, draft_logits, prompt, lens,
+                                 cache_len, iters)
             for budget in args.budgets:
-                rows.append(stage_row(args, cfg, params, head, drafter, draft_ms, draft_logits, anchor, cache, ctx,
-                                      ctx_len, cache_len, budget, impl, ar_ms, iters, depth, taps_wanted, prompt,
-                                      lens))
+                rows.append(dict(stage_row(state, budget, impl), draft_ms=draft_ms, ar_step_ms=ar_ms))
+                finish_row(rows[-1], budget)
                 print(rows[-1], flush=True)
                 write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
     print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_ms", "verify_ms", "accept_commit_ms",
@@ -141,8 +142,33 @@ def main():
     write_json_atomic(args.out, payload)
 
 
-def stage_row(args, cfg, params, head, drafter, draft_ms, draft_logits, anchor, cache, ctx, ctx_len, cache_len,
-              budget, impl, ar_ms, iters, depth, taps_wanted, prompt, lens):
+@dataclasses.dataclass(frozen=True)
+class ContextState:
+    """Everything the stage timings of one context length share."""
+    args: argparse.Namespace
+    cfg: qwen3.Config
+    params: dict
+    head: dict
+    drafter: HeadDrafter
+    anchor: jax.Array
+    cache: object
+    ctx: object
+    draft_logits: jax.Array
+    prompt: jax.Array
+    lens: jax.Array
+    cache_len: int
+    iters: int
+
+    @property
+    def depth(self) -> int:
+        return self.drafter.max_depth
+
+
+def stage_row(st: ContextState, budget: int, impl: str) -> dict:
+    """Tree build, verify and accept+commit times (ms) at one budget and verify attention path, plus
+    the whole step inside speculative_generate for the embedded target."""
+    args, cfg, taps_wanted = st.args, st.cfg, st.drafter.cfg.tap_layers
+
     def make_tree(logits, anchor):
         tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
         return jax.vmap(functools.partial(build_tree, budget=budget))(anchor, tokens, logps)
@@ -151,43 +177,48 @@ def stage_row(args, cfg, params, head, drafter, draft_ms, draft_logits, anchor, 
         tree = make_tree(logits, anchor)
         return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
 
-    tree_ms = per_iteration_ms(tree_body, draft_logits, iters, anchor)
-    tree = jax.jit(make_tree)(draft_logits, anchor)
+    tree_ms = per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
+    tree = jax.jit(make_tree)(st.draft_logits, st.anchor)
 
     def verify_body(i, cache, params, tree):
         _, _, cache = verify_tree(params, tree, cache, cfg, taps_wanted, impl)
         return cache
 
-    verify_ms = per_iteration_ms(verify_body, cache, iters, params, tree)
+    verify_ms = per_iteration_ms(verify_body, st.cache, st.iters, st.params, tree)
     vlogits, node_taps, verified_cache = jax.jit(
-        lambda p, t, c: verify_tree(p, t, c, cfg, taps_wanted, impl))(params, tree, cache)
+        lambda p, t, c: verify_tree(p, t, c, cfg, taps_wanted, impl))(st.params, tree, st.cache)
 
     def accept_body(i, state, tree, vlogits, node_taps, head):
         cache, ctx = state
-        result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), depth)
+        result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), st.depth)
         keep = jnp.zeros_like(result.accept_len)  # commit nothing so every iteration sees one state
         path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
-        return compact_cache(cache, result.path, keep), drafter.observe(head, ctx, path_taps, keep)
+        return compact_cache(cache, result.path, keep), st.drafter.observe(head, ctx, path_taps, keep)
 
-    accept_ms = per_iteration_ms(accept_body, (verified_cache, ctx), iters, tree, vlogits, node_taps, head)
-    total = draft_ms + tree_ms + verify_ms + accept_ms
-    row = dict(context=ctx_len, attention=impl, budget=budget, width=args.width, draft_ms=draft_ms,
-               tree_ms=tree_ms, verify_ms=verify_ms, accept_commit_ms=accept_ms, sum_ms=total, ar_step_ms=ar_ms,
-               verify_over_ar=verify_ms / ar_ms, c_percent=100 * draft_ms / (budget * verify_ms))
+    accept_ms = per_iteration_ms(accept_body, (verified_cache, st.ctx), st.iters, tree, vlogits, node_taps, st.head)
+    row = dict(context=st.prompt.shape[1], attention=impl, budget=budget, width=args.width, tree_ms=tree_ms,
+               verify_ms=verify_ms, accept_commit_ms=accept_ms)
     if args.target == "embedded":
         spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl)
 
         def full(n):
             gen = GenerationConfig(max_new_tokens=n)
-            return lambda: speculative_generate(params, head, prompt, lens, jax.random.key(0), cfg=cfg,
-                                                drafter=drafter, spec=spec, gen=gen, cache_len=cache_len)
+            return lambda: speculative_generate(st.params, st.head, st.prompt, st.lens, jax.random.key(0), cfg=cfg,
+                                                drafter=st.drafter, spec=spec, gen=gen, cache_len=st.cache_len)
 
         n_new = 65
-        out = full(n_new)()
-        steps = int(out.target_forwards.max())
-        loop_ms = (time_call(full(n_new), repeats=5) - time_call(full(1), repeats=5)) / steps * 1e3
-        row.update(loop_step_ms=loop_ms, step_over_ar=loop_ms / ar_ms)
+        steps = int(full(n_new)().target_forwards.max())
+        row["loop_step_ms"] = (time_call(full(n_new), repeats=5) - time_call(full(1), repeats=5)) / steps * 1e3
     return row
+
+
+def finish_row(row: dict, budget: int) -> None:
+    """Adds the sums and ratios once the draft and AR step times are in the row."""
+    row["sum_ms"] = row["draft_ms"] + row["tree_ms"] + row["verify_ms"] + row["accept_commit_ms"]
+    row["verify_over_ar"] = row["verify_ms"] / row["ar_step_ms"]
+    row["c_percent"] = 100 * row["draft_ms"] / (budget * row["verify_ms"])
+    if "loop_step_ms" in row:
+        row["step_over_ar"] = row["loop_step_ms"] / row["ar_step_ms"]
 
 
 if __name__ == "__main__":
