@@ -5,8 +5,8 @@ children); node 0 is the root (the anchor, depth 0, score 0). Growth follows the
 `accum_logp` rule: pop the frontier node with the highest cumulative log-probability (ties go to the
 earlier-inserted node), and if it is above the depth limit add all its children at once (up to the
 remaining budget). Nodes at the depth limit never enter the frontier (popping one changes nothing),
-so the loop has a static trip count. Every node at depth d draws its candidates from the same depth-d distribution.
-A width of 1 gives a chain (the DFlash baseline).
+so the loop has a static trip count. Every node at depth d draws its candidates from the same depth-d
+distribution. A width of 1 gives a chain (the DFlash baseline).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jetspec_jax.kernels.tree_attention import default_implementation as default_tree_attention
-from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
+from jetspec_jax.kernels.tree_attention import (default_implementation as default_tree_attention, pack_tree_mask,
+                                                 tree_attention)
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models.params import ParamSpec
 
