@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The H200 session behind eval/results and this session's benchmark JSONs, on `nvidia-h200-x2`:
-# GPU 0 runs the eval queue for GSM8K, MATH-500 and HumanEval; GPU 1 first runs the kernel and cost
-# benchmarks and an fp32 losslessness check, then the eval queue for MBPP, MT-Bench and AIME25.
+# The H200 sessions behind eval/results and the sessions' benchmark JSONs, on `nvidia-h200-x2`:
+# GPU 0 runs the timing benchmarks, an fp32 losslessness check and the eval queue for GSM8K, MATH-500
+# and HumanEval; GPU 1 runs the eval queue for MBPP, MT-Bench and AIME25.
 # Every step resumes (result files are appended line by line), so the script is simply called again
 # in the next device call until everything is there; all results are packed into $OUT/session.tgz.
 # A fresh machine starts from the archived runs in eval/results (gunzipped), so a later session
 # continues them; archive the returned files there again with gzip -9. (The recorded run used this
-# script as of commit d9bb84c: results named gpu0/gpu1.jsonl, 200 s for the fp32 check.)
+# script as of commit d9bb84c: results named gpu0/gpu1.jsonl, 200 s for the fp32 check, benchmarks
+# and fp32 check on GPU 1 before its eval queue.) The kernel benchmark times the kernel of commit
+# 88616e7 alongside if .carry/baseline/tree_attention_88616e7.py is there (git show 88616e7:kernels/...).
 #
 #   bash benchmarks/h200_eval_session.sh SECONDS [no-benches]   (repo root, after the model is staged)
-# no-benches: GPU 1 skips the timing benchmarks (their JSONs are in benchmarks/results already).
+# no-benches: GPU 0 skips the timing benchmarks (their JSONs are in benchmarks/results already).
 set -u
 budget=${1:-560}
 benches=${2:-benches}
@@ -44,33 +46,30 @@ eval_queue() {  # gpu results-file benchmarks...
   done
 }
 
-once() {  # name timeout command...: runs a benchmark step unless an earlier call finished it
+once() {  # name timeout command...: runs a GPU 0 step unless an earlier call finished it
   local name=$1 t=$2; shift 2
   [ -f "$bench/$name.done" ] && return
-  CUDA_VISIBLE_DEVICES=1 within "$t" "$@" >> "$bench/$name.log" 2>&1 && touch "$bench/$name.done"
+  CUDA_VISIBLE_DEVICES=0 within "$t" "$@" >> "$bench/$name.log" 2>&1 && touch "$bench/$name.done"
 }
 
-gpu1() {
+gpu0() {  # its eval queue last: the 64-prompt runs of its benchmarks are already archived
   [ "$benches" = no-benches ] || timing_benchmarks
   once fp32_lossless 400 python -m jetspec_jax.eval run --dtype float32 --limit 3 \
     --methods ar jetspec ddtree dflash --budgets 16 256 "${common[@]}" --results "$runs/h200_fp32_lossless_check.jsonl"
-  eval_queue 1 "$runs/h200_bf16_mbpp_mtbench_aime25.jsonl" mbpp mt_bench aime25 >> "$runs/gpu1.log" 2>&1
+  eval_queue 0 "$runs/h200_bf16_gsm8k_math500_humaneval.jsonl" gsm8k math500 humaneval >> "$runs/gpu0.log" 2>&1
 }
 
 timing_benchmarks() {
-  once tree_attention 200 python benchmarks/tree_attention_bench.py --shapes qwen3-8b --batches 1 \
-    --out "$bench/tree_attention_h200_session3.json"
-  once embedded_pallas 120 python benchmarks/spec_step_breakdown.py --attention pallas --budgets 16 64 256 \
-    --out "$bench/spec_step_breakdown_pallas_h200_session3.json"
-  once qwen3_8b_4096 200 python benchmarks/spec_step_breakdown.py --target qwen3-8b-shaped --contexts 4096 \
-    --budgets 16 64 256 --attention pallas cudnn --out "$bench/qwen3_8b_cost_4096_h200.json"
-  once qwen3_8b_1024_cudnn 100 python benchmarks/spec_step_breakdown.py --target qwen3-8b-shaped \
-    --contexts 1024 --budgets 16 64 256 --attention cudnn --out "$bench/qwen3_8b_cost_1024_cudnn_h200.json"
+  local baseline=.carry/baseline/tree_attention_88616e7.py
+  once tree_attention 280 python benchmarks/tree_attention_bench.py --shapes qwen3-8b --batches 1 \
+    $([ -f $baseline ] && echo --baseline-kernel $baseline) --out "$bench/tree_attention_h200_session4.json"
+  once embedded_pallas 200 python benchmarks/spec_step_breakdown.py --attention pallas --budgets 16 64 256 \
+    --out "$bench/spec_step_breakdown_pallas_h200_session4.json"
 }
 
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-eval_queue 0 "$runs/h200_bf16_gsm8k_math500_humaneval.jsonl" gsm8k math500 humaneval >> "$runs/gpu0.log" 2>&1 &
-gpu1 &
+gpu0 &
+eval_queue 1 "$runs/h200_bf16_mbpp_mtbench_aime25.jsonl" mbpp mt_bench aime25 >> "$runs/gpu1.log" 2>&1 &
 wait
 for f in "$runs"/*.jsonl; do echo "$f: $(wc -l < "$f") lines"; done
 tail -n 3 "$runs"/*.log "$bench"/*.log

@@ -3,6 +3,10 @@ GPU FlashAttention-3 as the Mosaic backend's reference point.
 
     python benchmarks/tree_attention_bench.py --out benchmarks/results/tree_attention_h200.json
     python benchmarks/tree_attention_bench.py --quick          # tiny shapes, any backend
+    # against the kernel of an earlier commit, in the same run:
+    git show 88616e7:kernels/tree_attention.py > /tmp/tree_attention_88616e7.py
+    python benchmarks/tree_attention_bench.py --shapes qwen3-8b --batches 1 \
+        --baseline-kernel /tmp/tree_attention_88616e7.py --out ...
 
 Shapes of Qwen3-8B (32 query / 8 KV heads, dim 128) and of the embedded model (9 / 3, 64): prefix L in
 {1024, 4096, 16384}, N tree nodes in {16, 64, 256}, batch 1 and 8, bf16, random wide trees. Each
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import itertools
 import os
 import sys
@@ -91,7 +96,17 @@ def kernel_only(q, k, v, lengths, anc, kernel_impl, tuning):
     return fn, (k, v, lengths, words), q_rows
 
 
-def paths_for(q, k, v, lengths, anc, kernel_impl, tuning):
+def load_baseline_kernel(path: str):
+    """An earlier version of kernels/tree_attention.py (a file saved with `git show`), timed as
+    "pallas_baseline" with its own default tuning."""
+    spec = importlib.util.spec_from_file_location("tree_attention_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def paths_for(q, k, v, lengths, anc, kernel_impl, tuning, baseline=None):
     """name -> (fn(x, *rest) -> same shape as x, rest, x); x is q unless a path needs another layout."""
     words = pack_tree_mask(anc)
     n, s = q.shape[1], k.shape[1]
@@ -103,6 +118,11 @@ def paths_for(q, k, v, lengths, anc, kernel_impl, tuning):
         "one_op_floor": (lambda q: -q, (), q),  # what one trivial XLA op costs in this timing loop
         "xla_dense": (lambda q, k, v, m: qwen3.attention_scores_softmax(q, k, v, m), (k, v, dense), q),
     }
+    if baseline is not None:
+        paths["pallas_baseline"] = (
+            lambda q, k, v, l, w: baseline.tree_attention_pallas(q, k, v, l, w,
+                                                                 interpret=kernel_impl == "pallas_interpret"),
+            (k, v, lengths, words), q)
     if jax.default_backend() == "gpu":
         paths["cudnn"] = (lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None],
                                                                           implementation="cudnn"),
@@ -156,7 +176,8 @@ SWEEP = [TreeAttentionTuning(block_rows=r, block_k=kb, num_warps=w, num_stages=s
                                   (64, 32, 4, 3, 264), (32, 64, 4, 3, 264),
                                   # around the one-wave best of the H200 run (d9bb84c)
                                   (64, 64, 4, 2, 132), (64, 64, 4, 4, 132), (64, 128, 4, 3, 132),
-                                  (128, 64, 4, 3, 132), (128, 128, 8, 3, 132), (64, 64, 4, 3, 66)]]
+                                  (128, 64, 4, 3, 132), (128, 128, 8, 3, 132), (64, 64, 4, 3, 66),
+                                  (128, 64, 8, 3, 132), (128, 64, 8, 3, 264)]]
 
 
 def tuning_sweep(args, dtype, payload):
@@ -194,7 +215,10 @@ def main():
     p.add_argument("--out", default="benchmarks/results/tree_attention.json")
     p.add_argument("--shapes", nargs="+", choices=list(HEAD_SHAPES), default=list(HEAD_SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--baseline-kernel", default=None,
+                   help="an earlier kernels/tree_attention.py (saved with git show) to time alongside")
     args = p.parse_args()
+    baseline = load_baseline_kernel(args.baseline_kernel) if args.baseline_kernel else None
     on_gpu = jax.default_backend() == "gpu"
     args.kernel_impl = "pallas" if on_gpu else "pallas_interpret"
     if args.quick:
@@ -207,7 +231,7 @@ def main():
     payload = dict(benchmark="tree_attention", sweep=[], attention=[], iters=args.iters,
                    ceilings=dict(bandwidth_bytes_per_s=BANDWIDTH, bf16_flops=MATMUL_FLOPS),
                    targets_us={f"{k[0]} B={k[1]} L={k[2]} N={k[3]}": v for k, v in TARGETS_US.items()},
-                   environment=environment())
+                   baseline_kernel=args.baseline_kernel, environment=environment())
     if not args.quick:
         payload["kernel_max_abs_error_vs_reference"] = check_kernel(args.kernel_impl, TreeAttentionTuning(), dtype)
     best = tuning_sweep(args, dtype, payload)
@@ -218,7 +242,8 @@ def main():
             q, k, v, lengths, anc = inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype)
             nbytes = (q.size * 2 + 2 * k.size) * q.dtype.itemsize
             flops = 4 * n * (prefix + n) * heads * d * batch
-            for name, (fn, rest, x) in paths_for(q, k, v, lengths, anc, args.kernel_impl, best).items():
+            for name, (fn, rest, x) in paths_for(q, k, v, lengths, anc, args.kernel_impl, best,
+                                                     baseline).items():
                 base = dict(shape=shape_name, batch=batch, L=prefix, N=n, path=name,
                             target_us=TARGETS_US.get((shape_name, batch, prefix, n)))
                 measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload)

@@ -90,14 +90,17 @@ class TreeAttentionTuning:
 
 
 def _online_softmax_step(q, k, v, visible, carry, scale):
-    """One flash-attention block: scores (M, K) -> updated (acc, running max, running sum)."""
+    """One flash-attention block in base 2 (`scale` includes log2(e); exp2 is one instruction where
+    exp is a libdevice call): scores (M, K) -> updated (acc, running max, running sum).
+    visible None: every key is visible, so the mask and the all-masked guard are skipped."""
     acc, m_prev, l_prev = carry
     s = plgpu.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
-    s = jnp.where(visible, s, -jnp.inf)
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a fully masked row so far stays at zero
-    correction = jnp.exp(m_prev - m_safe)
-    p = jnp.exp(s - m_safe[:, None])
+    m_safe = m_next if visible is None else jnp.where(m_next == -jnp.inf, 0.0, m_next)  # fully masked: stay 0
+    correction = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
     acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
     return acc, m_next, l_prev * correction + jnp.sum(p, axis=1)
 
@@ -114,34 +117,45 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, l
     init = (jnp.zeros((block_rows, d), jnp.float32), jnp.full((block_rows,), -jnp.inf, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32))
 
-    def prefix_block(i, carry):
+    def prefix_block(i, carry, masked: bool):
         start = split * split_rows + i * block_k
-        rows = start + jnp.arange(block_k)
-        inside = rows < jnp.minimum(length, (split + 1) * split_rows)
+        if not masked:  # a whole block inside the prefix: plain loads, no mask
+            return _online_softmax_step(q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :], None,
+                                        carry, scale)
+        inside = start + jnp.arange(block_k) < jnp.minimum(length, (split + 1) * split_rows)
         k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=0.0)
         v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=0.0)
         return _online_softmax_step(q, k, v, inside[None, :], carry, scale)
 
     def tree_block(c, carry):
-        node = c * WORD_BITS + jnp.arange(WORD_BITS)
-        inside = node < num_nodes
-        rows = length + c * WORD_BITS
-        k = plgpu.load(k_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
         words = words_ref[:, c]  # (block_rows,) this chunk's bits for each row's node
-        bits = (words[:, None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)[None, :]) & 1
-        return _online_softmax_step(q, k, v, (bits == 1) & inside[None, :], carry, scale)
+
+        def attend(carry):
+            node = c * WORD_BITS + jnp.arange(WORD_BITS)
+            inside = node < num_nodes
+            rows = length + c * WORD_BITS
+            k = plgpu.load(k_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
+            v = plgpu.load(v_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
+            bits = (words[:, None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)[None, :]) & 1
+            return _online_softmax_step(q, k, v, (bits == 1) & inside[None, :], carry, scale)
+
+        # no row of this block sees a node of this chunk (later nodes, other branches): skip it
+        return lax.cond(jnp.sum((words != 0).astype(jnp.int32)) > 0, attend, lambda carry: carry, carry)
 
     # loop bounds are built arithmetically in int32: jnp.where(flag, 1, 0) lowers to an i1 select,
     # which Triton's scf.for rejects next to an i32 lower bound
-    is_tree = (split == prefix_splits).astype(jnp.int32)
+    is_prefix = 1 - (split == prefix_splits).astype(jnp.int32)
     prefix_rows = jnp.clip(length - split * split_rows, 0, split_rows)
-    prefix_steps = (1 - is_tree) * pl.cdiv(prefix_rows, block_k)
-    tree_steps = is_tree * num_words
-    carry = lax.fori_loop(0, prefix_steps, prefix_block, init)
-    acc, m, l = lax.fori_loop(0, tree_steps, tree_block, carry)
+    full_steps = is_prefix * (prefix_rows // block_k)
+    tail_steps = is_prefix * jnp.minimum(prefix_rows % block_k, 1)
+    carry = init
+    if k_ref.shape[0] >= block_k:  # a cache shorter than a block has no whole block (and can't trace one)
+        carry = lax.fori_loop(0, full_steps, functools.partial(prefix_block, masked=False), carry)
+    carry = lax.fori_loop(full_steps, full_steps + tail_steps, functools.partial(prefix_block, masked=True), carry)
+    acc, m, l = lax.fori_loop(0, (1 - is_prefix) * num_words, tree_block, carry)
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
+    # m and l are in base 2: the natural-log lse is ln(2) * (m + log2 l)
+    lse_ref[...] = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * math.log(2))
 
 
 def _next_power_of_two(x: int) -> int:
@@ -180,7 +194,7 @@ def tree_attention_splits(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths
     split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
     kernel = functools.partial(_tree_attention_kernel, num_nodes=num_nodes, num_words=num_words,
                                prefix_splits=splits, split_rows=split_rows, block_k=tuning.block_k,
-                               scale=1.0 / math.sqrt(d))
+                               scale=math.log2(math.e) / math.sqrt(d))
     return pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, splits + 1),

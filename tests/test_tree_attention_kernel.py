@@ -30,6 +30,7 @@ CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kind
     (2, 13, 8, 2, 64, 100, [37, 80], ["star", "random"]),
     (2, 40, 8, 1, 128, 130, [1, 77], ["deep", "wide"]),
     (3, 7, 9, 3, 64, 48, [0, 41, 5], ["random", "chain", "star"]),
+    (2, 100, 2, 2, 64, 160, [50, 33], ["wide", "chain"]),  # rows 0-63 see no node >= 64: chunks skipped
 ]
 
 
