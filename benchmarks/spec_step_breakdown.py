@@ -8,7 +8,7 @@
         --budgets 16 32 64 128 256 --attention xla cudnn pallas --out benchmarks/results/qwen3_8b_cost_h200.json
 
 Stages: draft pass (head forward over [anchor, MASK...] and its LM head), tree build (top-W per depth
-+ best-first; `tree_ms` the pop loop, `tree_depth_ms` the one-sort-per-depth builder), verify pass (one target forward over the tree), accept + cache compaction +
++ best-first), verify pass (one target forward over the tree), accept + cache compaction +
 head-context update. Each runs `--iters` times inside one jitted fori_loop, its buffers threaded
 through the loop as in generation; the loop's trip count is an argument, so one executable times
 `iters` and 1 iterations and the difference cancels the call's fixed cost. `loop_step_ms` is a whole
@@ -38,7 +38,7 @@ from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
 from jetspec_jax.speculative import ATTENTION_IMPLS, HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
-from jetspec_jax.tree import TREE_BUILDERS, top_candidates  # noqa: E402
+from jetspec_jax.tree import build_tree, top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
 
 QWEN3_8B = qwen3.Config(architecture="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
@@ -89,8 +89,6 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[512], help="committed tokens before the step")
     p.add_argument("--attention", nargs="+", default=["xla"], choices=ATTENTION_IMPLS,
                    help="verify attention paths to time")
-    p.add_argument("--tree-builders", nargs="+", default=["pops", "depth"], choices=list(TREE_BUILDERS),
-                   help="tree builders to time (they build equal trees; verify gets the pop loop's)")
     p.add_argument("--iters", type=int, default=None, help="loop length (default 50; 8B: 10)")
     p.add_argument("--out", default="benchmarks/results/spec_step_breakdown.json")
     args = p.parse_args()
@@ -139,10 +137,8 @@ def main():
                 finish_row(rows[-1], budget)
                 print(rows[-1], flush=True)
                 write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
-    builder_columns = [builder_key(k, b) for k in ("tree_ms", "loop_step_ms") for b in args.tree_builders]
-    print_table(rows, ["context", "attention", "budget", "draft_ms", *builder_columns[:len(args.tree_builders)],
-                       "verify_ms", "accept_commit_ms", "sum_ms", *builder_columns[len(args.tree_builders):],
-                       "ar_step_ms", "verify_over_ar", "c_percent"])
+    print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_ms", "verify_ms", "accept_commit_ms",
+                       "sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])
     write_json_atomic(args.out, payload)
 
 
@@ -173,20 +169,15 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
     the whole step inside speculative_generate for the embedded target."""
     args, cfg, taps_wanted = st.args, st.cfg, st.drafter.cfg.tap_layers
 
-    def make_tree(logits, anchor, builder="pops"):
+    def make_tree(logits, anchor):
         tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
-        return jax.vmap(functools.partial(TREE_BUILDERS[builder], budget=budget))(anchor, tokens, logps)
+        return jax.vmap(functools.partial(build_tree, budget=budget))(anchor, tokens, logps)
 
-    def tree_ms(builder):
-        def tree_body(i, logits, anchor):
-            tree = make_tree(logits, anchor, builder)
-            return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
+    def tree_body(i, logits, anchor):
+        tree = make_tree(logits, anchor)
+        return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
 
-        return per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
-
-    row = dict(context=st.prompt.shape[1], attention=impl, budget=budget, width=args.width)
-    for builder in args.tree_builders:
-        row[builder_key("tree_ms", builder)] = tree_ms(builder)
+    tree_ms = per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
     tree = jax.jit(make_tree)(st.draft_logits, st.anchor)
 
     def verify_body(i, cache, params, tree):
@@ -205,39 +196,29 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
         return compact_cache(cache, result.path, keep), st.drafter.observe(head, ctx, path_taps, keep)
 
     accept_ms = per_iteration_ms(accept_body, (verified_cache, st.ctx), st.iters, tree, vlogits, node_taps, st.head)
-    row.update(verify_ms=verify_ms, accept_commit_ms=accept_ms)
+    row = dict(context=st.prompt.shape[1], attention=impl, budget=budget, width=args.width, tree_ms=tree_ms,
+               verify_ms=verify_ms, accept_commit_ms=accept_ms)
     if args.target == "embedded":
-        for builder in args.tree_builders:
-            spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl, tree_builder=builder)
+        spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl)
 
-            def full(n, spec=spec):
-                gen = GenerationConfig(max_new_tokens=n)
-                return lambda: speculative_generate(st.params, st.head, st.prompt, st.lens, jax.random.key(0),
-                                                    cfg=cfg, drafter=st.drafter, spec=spec, gen=gen,
-                                                    cache_len=st.cache_len)
+        def full(n):
+            gen = GenerationConfig(max_new_tokens=n)
+            return lambda: speculative_generate(st.params, st.head, st.prompt, st.lens, jax.random.key(0), cfg=cfg,
+                                                drafter=st.drafter, spec=spec, gen=gen, cache_len=st.cache_len)
 
-            n_new = 65
-            steps = int(full(n_new)().target_forwards.max())
-            row[builder_key("loop_step_ms", builder)] = (
-                time_call(full(n_new), repeats=5) - time_call(full(1), repeats=5)) / steps * 1e3
+        n_new = 65
+        steps = int(full(n_new)().target_forwards.max())
+        row["loop_step_ms"] = (time_call(full(n_new), repeats=5) - time_call(full(1), repeats=5)) / steps * 1e3
     return row
-
-
-def builder_key(name: str, builder: str) -> str:
-    """tree_ms / loop_step_ms for the pop loop (the keys of earlier runs), tree_depth_ms etc. otherwise."""
-    return name if builder == "pops" else name.replace("_ms", f"_{builder}_ms")
 
 
 def finish_row(row: dict, budget: int) -> None:
     """Adds the sums and ratios once the draft and AR step times are in the row."""
-    tree_ms = row.get("tree_ms", row.get("tree_depth_ms"))
-    row["sum_ms"] = row["draft_ms"] + tree_ms + row["verify_ms"] + row["accept_commit_ms"]
+    row["sum_ms"] = row["draft_ms"] + row["tree_ms"] + row["verify_ms"] + row["accept_commit_ms"]
     row["verify_over_ar"] = row["verify_ms"] / row["ar_step_ms"]
     row["c_percent"] = 100 * row["draft_ms"] / (budget * row["verify_ms"])
-    for builder in TREE_BUILDERS:
-        if builder_key("loop_step_ms", builder) in row:
-            row[f"step_over_ar{'' if builder == 'pops' else '_' + builder}"] = (
-                row[builder_key("loop_step_ms", builder)] / row["ar_step_ms"])
+    if "loop_step_ms" in row:
+        row["step_over_ar"] = row["loop_step_ms"] / row["ar_step_ms"]
 
 
 if __name__ == "__main__":

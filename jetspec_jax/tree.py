@@ -50,7 +50,7 @@ def top_candidates(log_probs: jax.Array, width: int) -> tuple[jax.Array, jax.Arr
 
 
 def build_tree(root_token: jax.Array, cand_tokens: jax.Array, cand_logps: jax.Array, budget: int) -> Tree:
-    """Best-first tree for one sequence, one pop per loop step as the published loop runs.
+    """Best-first tree for one sequence.
 
     root_token: () int; cand_tokens / cand_logps: (D, W) top-W per depth, best first, where D is the
     depth limit. Returns a Tree padded to `budget` nodes. vmap over the batch.
@@ -91,78 +91,6 @@ def build_tree(root_token: jax.Array, cand_tokens: jax.Array, cand_logps: jax.Ar
     valid = idx < n
     return Tree(tokens=tokens, parents=parents, depths=depths, scores=scores, valid=valid,
                 ancestors=ancestor_mask(parents, max_depth), num_nodes=n)
-
-
-def build_tree_by_depth(root_token: jax.Array, cand_tokens: jax.Array, cand_logps: jax.Array,
-                        budget: int) -> Tree:
-    """`build_tree`'s result (every array equal) from one sort per depth instead of one step per pop:
-    fewer, larger operations (on the CPU the pop loop is faster).
-
-    Why this equals the pop loop: a child never scores above its parent, so the loop pops nodes in
-    one total order, score descending, ties by the parent's pop rank, then by rank within the fan-out
-    (the insertion order). The pops are therefore the first P = ceil((B-1)/W) nodes of that order
-    among nodes above the depth limit, and that prefix only ever extends itself: its depth-d members
-    are children of its depth-(d-1) members. One sort per depth keeps it, with parents as positions
-    in it; the pop number of each node then fixes where its children land.
-    """
-    max_depth, width = cand_tokens.shape
-    pops = -(-(budget - 1) // width)
-    cand_logps = jnp.nan_to_num(cand_logps.astype(jnp.float32), nan=-jnp.inf)
-    root = root_token.astype(jnp.int32)
-    if pops == 0:
-        return _root_only(root, budget, max_depth)
-
-    # the first `pops` nodes of the pop order so far, in that order
-    order = jnp.arange(pops, dtype=jnp.int32)
-    valid = order == 0
-    scores = jnp.zeros((pops,), jnp.float32)
-    depths = jnp.zeros((pops,), jnp.int32)
-    ranks = jnp.zeros((pops,), jnp.int32)  # rank within the parent's fan-out
-    parents = jnp.full((pops,), -1, jnp.int32)  # position of the parent in this list
-    slot = jnp.arange(width, dtype=jnp.int32)
-    for depth in range(1, min(max_depth, pops)):  # a node at depth d needs d earlier pops
-        spawn = jnp.broadcast_to((valid & (depths == depth - 1))[:, None], (pops, width))
-        merged = [jnp.concatenate([old, new.reshape(-1)]) for old, new in (
-            (~valid, ~spawn),
-            (scores, scores[:, None] + cand_logps[depth - 1]),
-            (parents, jnp.broadcast_to(order[:, None], (pops, width))),
-            (ranks, jnp.broadcast_to(slot, (pops, width))),
-            (order, jnp.full((pops, width), pops, jnp.int32)),  # old position; `pops` marks a new node
-            (depths, jnp.full((pops, width), depth, jnp.int32)),
-        )]
-        invalid, score, parent, rank, origin, node_depth = merged
-        descending = jnp.where(score == 0, 0.0, -score)  # never -0.0, which sorts before +0.0
-        invalid, _, parent, rank, origin, node_depth, score = (x[:pops] for x in lax.sort(
-            (invalid, descending, parent, rank, origin, node_depth, score), num_keys=4))
-        new_position = jnp.zeros((pops,), jnp.int32).at[origin].set(order, mode="drop")
-        valid, scores, depths, ranks = ~invalid, score, node_depth, rank
-        parents = jnp.where(parent >= 0, new_position[jnp.maximum(parent, 0)], -1)
-
-    # pop k puts its children at 1 + W k ...; a popped node sits where its parent's pop put it
-    node_index = jnp.where(parents >= 0, 1 + width * parents + ranks, 0)
-    flat = 1 + width * order[:, None] + slot  # (pops, W)
-    child_valid = (valid[:, None] & (flat < budget)).reshape(-1)
-    children = (cand_tokens[depths].reshape(-1),
-                jnp.broadcast_to(node_index[:, None], (pops, width)).reshape(-1),
-                jnp.broadcast_to(depths[:, None] + 1, (pops, width)).reshape(-1),
-                (scores[:, None] + cand_logps[depths]).reshape(-1))
-    tokens, parents, depths, scores = (
-        jnp.concatenate([jnp.reshape(jnp.asarray(first, x.dtype), (1,)), jnp.where(child_valid, x, pad)])[:budget]
-        for x, first, pad in zip(children, (root, -1, 0, 0.0), (0, -1, 0, 0.0)))
-    valid = jnp.concatenate([jnp.ones((1,), bool), child_valid])[:budget]
-    return Tree(tokens=tokens, parents=parents, depths=depths, scores=scores, valid=valid,
-                ancestors=ancestor_mask(parents, max_depth), num_nodes=jnp.sum(valid, dtype=jnp.int32))
-
-
-def _root_only(root: jax.Array, budget: int, max_depth: int) -> Tree:
-    parents = jnp.full((budget,), -1, jnp.int32)
-    return Tree(tokens=jnp.zeros((budget,), jnp.int32).at[0].set(root), parents=parents,
-                depths=jnp.zeros((budget,), jnp.int32), scores=jnp.zeros((budget,), jnp.float32),
-                valid=jnp.arange(budget) == 0, ancestors=ancestor_mask(parents, max_depth),
-                num_nodes=jnp.int32(1))
-
-
-TREE_BUILDERS = {"pops": build_tree, "depth": build_tree_by_depth}
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:

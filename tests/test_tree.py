@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jetspec_jax.tree import ancestor_mask, build_tree, build_tree_by_depth, top_candidates, validate_tree_settings
+from jetspec_jax.tree import ancestor_mask, build_tree, top_candidates, validate_tree_settings
 
 
 def heapq_tree(root, tokens, logps, budget):
@@ -34,21 +34,11 @@ def heapq_tree(root, tokens, logps, budget):
 
 
 build = jax.jit(build_tree, static_argnames="budget")
-build_by_depth = jax.jit(build_tree_by_depth, static_argnames="budget")
 
 
 def check_against_reference(root, tokens, logps, budget):
-    """Both builders against heapq, and against each other on every array, padding included."""
-    args = (jnp.int32(root), jnp.asarray(tokens), jnp.asarray(logps))
-    by_pops, by_depth = build(*args, budget=budget), build_by_depth(*args, budget=budget)
+    tree = build(jnp.int32(root), jnp.asarray(tokens), jnp.asarray(logps), budget=budget)
     ref = heapq_tree(root, tokens, logps, budget)
-    check_tree(by_depth, ref, budget)
-    check_tree(by_pops, ref, budget)
-    for field, a, b in zip(by_depth._fields, by_depth, by_pops):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
-
-
-def check_tree(tree, ref, budget):
     n = len(ref)
     assert int(tree.num_nodes) == n
     assert np.asarray(tree.valid).tolist() == [i < n for i in range(budget)]
