@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# T=0 eval of every benchmark (64 prompts, AIME25's 30), all methods and budgets, at one commit on
+# `nvidia-h200-x2`, into fresh results files; after the tree-build and kernel changes of session 4 the
+# archived T=0 rows (h200_eval_session.sh) came from two commits. Also the Qwen3-8B-shaped cost model
+# at budgets 32 and 128. Resumes like h200_eval_session.sh: call it again until all is there.
+#
+#   bash benchmarks/h200_eval_t0_rerun.sh SECONDS   (repo root, after the model is staged)
+set -u
+deadline=$(( $(date +%s) + ${1:-560} ))
+within() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt 10 ] && timeout "$l" "$@"; }
+export JETSPEC_GGUF=${JETSPEC_GGUF:-/tmp/jetspec-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+export PYTHONPATH=/tmp/jetspec-site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
+ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
+runs=/tmp/t0run
+mkdir -p "$runs"
+common=(--limit 64 --temperatures 0 --prompt-bucket 512 --max-new-tokens 512 --data-dir .carry/evaldata --no-progress)
+
+CUDA_VISIBLE_DEVICES=0 within python -m jetspec_jax.eval run --benchmarks gsm8k math500 aime25 "${common[@]}" \
+  --results "$runs/h200_bf16_t0_gsm8k_math500_aime25.jsonl" >> "$runs/gpu0.log" 2>&1 &&
+  { [ -f "$runs/cost.done" ] || { CUDA_VISIBLE_DEVICES=0 within python benchmarks/spec_step_breakdown.py \
+    --target qwen3-8b-shaped --contexts 1024 4096 --budgets 32 128 --attention pallas \
+    --out "$runs/qwen3_8b_cost_b32_b128_h200.json" >> "$runs/cost.log" 2>&1 && touch "$runs/cost.done"; }; } &
+CUDA_VISIBLE_DEVICES=1 within python -m jetspec_jax.eval run --benchmarks humaneval mbpp mt_bench "${common[@]}" \
+  --results "$runs/h200_bf16_t0_humaneval_mbpp_mtbench.jsonl" >> "$runs/gpu1.log" 2>&1 &
+wait
+for f in "$runs"/*.jsonl; do echo "$f: $(wc -l < "$f") lines"; done
+tail -n 3 "$runs"/*.log
+tar czf "${OUT:-/tmp}/t0run.tgz" -C /tmp t0run
