@@ -29,7 +29,7 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_
 ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
 runs=/tmp/evalrun bench=/tmp/evalrun/bench
 mkdir -p "$bench"
-for archived in eval/results/h200_*.jsonl.gz; do
+for archived in eval/results/h200_bf16_{gsm8k,mbpp}*.jsonl.gz eval/results/h200_fp32_*.jsonl.gz; do
   name=$(basename "$archived" .gz)
   [ -f "$runs/$name" ] || { gunzip -c "$archived" > "$runs/$name" && cp "$archived.meta.json" "$runs/$name.meta.json"; }
 done

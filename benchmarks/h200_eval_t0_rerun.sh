@@ -14,6 +14,10 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_
 ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
 runs=/tmp/t0run
 mkdir -p "$runs"
+for archived in eval/results/h200_bf16_t0_*.jsonl.gz; do  # a later session resumes the archived files
+  name=$(basename "$archived" .gz)
+  [ -f "$runs/$name" ] || { gunzip -c "$archived" > "$runs/$name" && cp "$archived.meta.json" "$runs/$name.meta.json"; }
+done
 common=(--limit 64 --temperatures 0 --prompt-bucket 512 --max-new-tokens 512 --data-dir .carry/evaldata --no-progress)
 
 CUDA_VISIBLE_DEVICES=0 within python -m jetspec_jax.eval run --benchmarks gsm8k math500 aime25 "${common[@]}" \

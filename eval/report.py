@@ -36,16 +36,23 @@ DEFINITIONS = """\
 - **mismatches (T=0)**: prompts whose tokens differ from AR's, out of those compared."""
 
 
+def precision(line: dict) -> str:
+    """Runs of one prompt at different precisions are different results: "bfloat16", "float32/highest"."""
+    matmul = line.get("matmul_precision") or "default"
+    return line["dtype"] if matmul == "default" else f"{line['dtype']}/{matmul}"
+
+
 def load_results(paths: list[str]) -> tuple[list[dict], list[dict]]:
-    """(lines deduplicated by key, the later file winning; sidecar metas) of all files."""
+    """(lines deduplicated by key and precision, the later file winning; sidecar metas) of all files."""
     by_key, metas = {}, []
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no results file at {path}")
         for line in read_lines(path):
-            if line_key(line) in by_key:
-                log.warning("%s repeats %s; the later line is used", path, line_key(line))
-            by_key[line_key(line)] = line
+            key = line_key(line) + (precision(line),)
+            if key in by_key:
+                log.warning("%s repeats %s; the later line is used", path, key)
+            by_key[key] = line
         meta = read_meta(path)
         if meta is not None:
             metas.append({"results": path, **meta})
@@ -57,21 +64,22 @@ def ratio(num: float, den: float) -> float | None:
 
 
 def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
-    """One dict per (benchmark, method, budget, temperature), ordered for reading."""
+    """One dict per (benchmark, method, budget, temperature, precision), ordered for reading."""
     valid = [line for line in lines if "error" not in line]
-    ar = {(r["benchmark"], r["id"], r["temperature"]): r for r in valid if r["method"] == "ar"}
+    ar = {(r["benchmark"], r["id"], r["temperature"], precision(r)): r for r in valid if r["method"] == "ar"}
     groups = defaultdict(list)
     for r in valid:
-        groups[(r["benchmark"], r["method"], r["budget"], r["temperature"])].append(r)
+        groups[(r["benchmark"], r["method"], r["budget"], r["temperature"], precision(r))].append(r)
     out = []
-    for (bench, method, budget, temp), rows in groups.items():
+    for (bench, method, budget, temp, prec), rows in groups.items():
         decoded = sum(map(decoded_tokens, rows))
-        paired = [(r, ar[(bench, r["id"], temp)]) for r in rows if (bench, r["id"], temp) in ar]
+        paired = [(r, ar[(bench, r["id"], temp, prec)]) for r in rows if (bench, r["id"], temp, prec) in ar]
         scored = [r["correct"] for r in rows if r.get("correct") is not None]
         compared = [r["matches_ar"] for r in rows if r.get("matches_ar") is not None]
         forwards = sum(r["target_forwards"] or 0 for r in rows)
         out.append({
-            "benchmark": bench, "method": method, "budget": budget, "temperature": temp, "n": len(rows),
+            "benchmark": bench, "method": method, "budget": budget, "temperature": temp, "precision": prec,
+            "n": len(rows),
             "tau": ratio(decoded, forwards) if method != "ar" else None,
             "decode_tokens_per_second": ratio(decoded, sum(r["decode_seconds"] for r in rows)),
             "speedup": per_token_ratio(paired, "decode_seconds", decoded_tokens),
@@ -93,7 +101,7 @@ def reading_order(group: dict) -> tuple:
     benchmarks = list(BENCHMARKS)
     bench = benchmarks.index(group["benchmark"]) if group["benchmark"] in benchmarks else len(benchmarks)
     method = METHOD_ORDER.index(group["method"]) if group["method"] in METHOD_ORDER else len(METHOD_ORDER)
-    return bench, group["benchmark"], group["temperature"], method, group["budget"] or 0
+    return bench, group["benchmark"], group["precision"], group["temperature"], method, group["budget"] or 0
 
 
 def decoded_tokens(line: dict) -> int:
@@ -132,6 +140,11 @@ def method_label(g: dict) -> str:
     return g["method"] if g["budget"] is None else f"{g['method']} B={g['budget']}"
 
 
+def main_precision(groups: list[dict]) -> str:
+    """The precision most runs used: the summary table and the plots show it."""
+    return Counter(g["precision"] for g in groups for _ in range(g["n"])).most_common(1)[0][0]
+
+
 def summary_table(groups: list[dict]) -> list[str]:
     """Paper layout: rows (T, method, budget), columns benchmarks, cells speedup/tau."""
     benches = list(dict.fromkeys(g["benchmark"] for g in groups))
@@ -152,12 +165,12 @@ def benchmark_tables(groups: list[dict]) -> list[str]:
     for bench in dict.fromkeys(g["benchmark"] for g in groups):
         rows = [g for g in groups if g["benchmark"] == bench]
         out += [f"### {bench}", "",
-                "| method | T | n | tau | decode tok/s | speedup | e2e speedup | accuracy | = AR "
+                "| method | precision | T | n | tau | decode tok/s | speedup | e2e speedup | accuracy | = AR "
                 "| mismatches (T=0) |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in rows:
             mism = f"{g['mismatches']}/{g['compared']}" if g["mismatches"] is not None else "-"
-            out.append(f"| {method_label(g)} | {g['temperature']:g} | {g['n']} | {fmt(g['tau'])} | "
+            out.append(f"| {method_label(g)} | {g['precision']} | {g['temperature']:g} | {g['n']} | {fmt(g['tau'])} | "
                        f"{fmt(g['decode_tokens_per_second'], 1)} | {fmt(g['speedup'])} | "
                        f"{fmt(g['e2e_speedup'])} | "
                        f"{fmt(g['accuracy'], 3)} | {fmt(g['accuracy_same_as_ar'])} | {mism} |")
@@ -165,11 +178,11 @@ def benchmark_tables(groups: list[dict]) -> list[str]:
         if hist:
             width = 1 + max(k for g in hist for k, share in enumerate(g["accept_histogram"]) if share > 0)
             out += ["", "Acceptance per verify pass (% of passes that accepted k drafts):", "",
-                    "| method | T | " + " | ".join(f"k={k}" for k in range(width)) + " |",
-                    "|---|---|" + "---|" * width]
+                    "| method | precision | T | " + " | ".join(f"k={k}" for k in range(width)) + " |",
+                    "|---|---|---|" + "---|" * width]
             for g in hist:
                 shares = (g["accept_histogram"] + [0.0] * width)[:width]
-                out.append(f"| {method_label(g)} | {g['temperature']:g} | "
+                out.append(f"| {method_label(g)} | {g['precision']} | {g['temperature']:g} | "
                            + " | ".join(f"{100 * s:.0f}" for s in shares) + " |")
         out.append("")
     return out
@@ -197,11 +210,13 @@ def header(paths: list[str], metas: list[dict], groups: list[dict]) -> list[str]
 
 
 def lossless_lines(groups: list[dict]) -> list[str]:
-    total = sum(g["mismatches"] or 0 for g in groups)
     fp32 = [g for g in groups if g["dtype"] == ["float32"] and g["mismatches"]]
     exact = sum(g["mismatches"] for g in fp32 if g["matmul_precision"] == ["highest"])
-    out = [LOSSLESS_NOTE, "", f"Mismatched prompts at T=0: {total} "
-           f"(of {sum(g['compared'] for g in groups)} compared)."]
+    out = [LOSSLESS_NOTE, ""]
+    for prec in sorted({g["precision"] for g in groups}):
+        of = [g for g in groups if g["precision"] == prec]
+        out.append(f"- {prec}: {sum(g['mismatches'] or 0 for g in of)} mismatched prompts at T=0 "
+                   f"(of {sum(g['compared'] for g in of)} compared).")
     if exact:
         out.append(f"**{exact} mismatches in fp32 with full-precision matmuls: speculative decoding is "
                    "not exact here; this is a bug.**")
@@ -257,16 +272,20 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
     if not groups:
         raise ValueError(f"no usable result lines in {', '.join(paths)}")
     os.makedirs(out_dir, exist_ok=True)
-    plots = {"speedup": ("speedup_vs_budget.png", "decode speedup vs AR"),
-             "tau": ("tau_vs_budget.png", "tau")}
+    main = main_precision(groups)
+    headline = [g for g in groups if g["precision"] == main]
+    plots = {"speedup": ("speedup_vs_budget.png", f"decode speedup vs AR ({main})"),
+             "tau": ("tau_vs_budget.png", f"tau ({main})")}
     for field, (name, ylabel) in plots.items():
-        plot_vs_budget(groups, field, ylabel, os.path.join(out_dir, name))
+        plot_vs_budget(headline, field, ylabel, os.path.join(out_dir, name))
     errors = [line for line in lines if "error" in line]
     md = header(paths, metas, groups)
     md += ["## Definitions", "", DEFINITIONS, "", "## Lossless check", ""] + lossless_lines(groups)
     if errors:
         md += [f"{len(errors)} runs failed and are left out (see their `error` field).", ""]
-    md += ["## Summary: speedup/tau", ""] + summary_table(groups) + ["", "## Per benchmark", ""]
+    others = sorted({g["precision"] for g in groups} - {main})
+    elsewhere = f"; {', '.join(others)} in the per-benchmark tables" if others else ""
+    md += [f"## Summary: speedup/tau ({main}{elsewhere})", ""] + summary_table(headline) + ["", "## Per benchmark", ""]
     md += benchmark_tables(groups)
     md += ["## Plots", ""] + [f"![{field}]({name})" for field, (name, _) in plots.items()] + [""]
     md_path, json_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.json")

@@ -46,10 +46,10 @@ def test_group_metrics():
     assert groups[("ar", None)]["tau"] is None and groups[("ar", None)]["speedup"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("dtype, precision, verdict", [
-    ("bfloat16", "default", None), ("float32", "highest", "this is a bug"),
-    ("float32", "default", "rerun with --matmul-precision highest")])
-def test_report_counts_mismatches_and_flags_exact_fp32(tmp_path, dtype, precision, verdict):
+@pytest.mark.parametrize("dtype, precision, label, verdict", [
+    ("bfloat16", "default", "bfloat16", None), ("float32", "highest", "float32/highest", "this is a bug"),
+    ("float32", "default", "float32", "rerun with --matmul-precision highest")])
+def test_report_counts_mismatches_and_flags_exact_fp32(tmp_path, dtype, precision, label, verdict):
     results = tmp_path / "r.jsonl"
     kw = dict(dtype=dtype, precision=precision)
     write_lines(results, [line("ar", None, **kw),
@@ -59,12 +59,29 @@ def test_report_counts_mismatches_and_flags_exact_fp32(tmp_path, dtype, precisio
                           {**line("jetspec", 64), "error": "prompt too long"}])
     paths = write_report([str(results)], str(tmp_path / "out"))
     md = open(paths[0]).read()
-    assert "Mismatched prompts at T=0: 1 (of 1 compared)" in md
+    assert f"- {label}: 1 mismatched prompts at T=0 (of 1 compared)." in md
     for note in ("this is a bug", "rerun with --matmul-precision highest"):
         assert (note in md) is (note == verdict)
     assert "1 runs failed" in md and "| 0 | jetspec | 32 |" in md and "| 1 | jetspec | 32 |" in md
     report = json.loads(open(paths[1]).read())
     assert report["failed_runs"] == 1 and len(report["groups"]) == 4
+
+
+def test_precisions_stay_apart(tmp_path):
+    """An fp32 check of the same prompts as a bf16 run is its own group, never a replacement."""
+    bf16 = dict(dtype="bfloat16", precision="default")
+    write_lines(tmp_path / "bf16.jsonl", [line("ar", None, id=i, **bf16) for i in "01"] + [
+        line("jetspec", 16, id=i, decode=0.5, forwards=4, matches=False, **bf16) for i in "01"])
+    write_lines(tmp_path / "fp32.jsonl", [line("ar", None, decode=4.0), line("jetspec", 16, forwards=5, matches=True)])
+    paths = write_report([str(tmp_path / "bf16.jsonl"), str(tmp_path / "fp32.jsonl")], str(tmp_path / "out"))
+    groups = {(g["method"], g["precision"]): g for g in json.loads(open(paths[1]).read())["groups"]}
+    assert groups[("jetspec", "bfloat16")]["n"] == 2 and groups[("jetspec", "bfloat16")]["mismatches"] == 2
+    assert groups[("jetspec", "bfloat16")]["speedup"] == pytest.approx(2.0)  # paired with bf16 AR only
+    assert groups[("jetspec", "float32/highest")]["n"] == 1 and groups[("jetspec", "float32/highest")]["tau"] == 2
+    md = open(paths[0]).read()
+    assert "## Summary: speedup/tau (bfloat16; float32/highest in the per-benchmark tables)" in md
+    assert "| 0 | jetspec | 16 | 2.00/2.50 |" in md  # the summary shows the bf16 run
+    assert "- bfloat16: 2 mismatched" in md and "- float32/highest: 0 mismatched" in md
 
 
 def test_gzipped_results_read_like_plain_ones(tmp_path):
