@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # T=0 eval of every benchmark (64 prompts, AIME25's 30), all methods and budgets, at one commit on
-# `nvidia-h200-x2`, into fresh results files; after the tree-build and kernel changes of session 4 the
-# archived T=0 rows (h200_eval_session.sh) came from two commits. Also the Qwen3-8B-shaped cost model
-# at budgets 32 and 128. Resumes like h200_eval_session.sh: call it again until all is there.
+# `nvidia-h200-x2`, into fresh results files: after the tree-build and kernel changes of f984905 the
+# archived T=0 rows (h200_eval_session.sh) came from two engine versions. Then the Qwen3-8B-shaped
+# cost model at budgets 32 and 128. Resumes like h200_eval_session.sh: call it again until all is there.
 #
 #   bash benchmarks/h200_eval_t0_rerun.sh SECONDS   (repo root, after the model is staged)
 set -u

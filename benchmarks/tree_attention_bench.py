@@ -211,7 +211,8 @@ def tuning_name(t: TreeAttentionTuning) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes (for the CPU)")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=120,
+                   help="calls per timed chain (runs up to 3 used 30: about 10 us of run-to-run spread)")
     p.add_argument("--out", default="benchmarks/results/tree_attention.json")
     p.add_argument("--shapes", nargs="+", choices=list(HEAD_SHAPES), default=list(HEAD_SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
