@@ -1,6 +1,7 @@
 """Why an eval run's T=0 speculative outputs part from AR's: the fp32 logit gap at each first mismatch.
 
-    python benchmarks/eval_tie_flips.py eval/results/h200_bf16_*.jsonl.gz --sample 150 \\
+    python benchmarks/eval_tie_flips.py eval/results/h200_bf16_gsm8k_math500_humaneval.jsonl.gz \\
+        eval/results/h200_bf16_mbpp_mtbench_aime25.jsonl.gz --sample 150 \\
         --out benchmarks/results/eval_tie_flips_h200_bf16.json
 
 For every T=0 line whose tokens differ from AR's, take the first differing position, rebuild the
@@ -31,24 +32,27 @@ BUCKET = 128  # prefixes pad to a multiple of this, so a few compiled forwards s
 
 
 def divergences(paths):
-    """Unique (benchmark, id, position, ar token, spec token) first mismatches at T=0, with the
-    methods/budgets that hit each, and the count of compared lines."""
-    lines = [line for path in paths for line in read_lines(path)]
-    ar = {(ln["benchmark"], ln["id"]): ln["token_ids"] for ln in lines
-          if ln["method"] == "ar" and ln["temperature"] == 0 and "token_ids" in ln}
-    found, compared = {}, 0
-    for ln in lines:
-        if ln["method"] == "ar" or ln["temperature"] != 0 or ln.get("matches_ar") is None:
-            continue
-        compared += 1
-        if ln["matches_ar"]:
-            continue
-        reference, pos = ar[(ln["benchmark"], ln["id"])], ln["first_mismatch"]
-        if pos >= min(len(reference), len(ln["token_ids"])):  # one output is a prefix of the other
-            key = (ln["benchmark"], ln["id"], pos, None, None)
-        else:
-            key = (ln["benchmark"], ln["id"], pos, reference[pos], ln["token_ids"][pos])
-        found.setdefault(key, []).append(f"{ln['method']}@{ln['budget']}")
+    """Unique (results file, benchmark, id, position, ar token, spec token) first mismatches at T=0,
+    with the methods/budgets that hit each; the AR tokens each file's lines were compared with; and
+    the count of compared lines. A line is paired with the AR line of its own file: two runs of one
+    prompt (a rerun archived beside the first) can produce different AR text."""
+    found, ar, compared = {}, {}, 0
+    for path in paths:
+        lines = read_lines(path)
+        ar.update({(path, ln["benchmark"], ln["id"]): ln["token_ids"] for ln in lines
+                   if ln["method"] == "ar" and ln["temperature"] == 0 and "token_ids" in ln})
+        for ln in lines:
+            if ln["method"] == "ar" or ln["temperature"] != 0 or ln.get("matches_ar") is None:
+                continue
+            compared += 1
+            if ln["matches_ar"]:
+                continue
+            reference, pos = ar[(path, ln["benchmark"], ln["id"])], ln["first_mismatch"]
+            if pos >= min(len(reference), len(ln["token_ids"])):  # one output is a prefix of the other
+                key = (path, ln["benchmark"], ln["id"], pos, None, None)
+            else:
+                key = (path, ln["benchmark"], ln["id"], pos, reference[pos], ln["token_ids"][pos])
+            found.setdefault(key, []).append(f"{ln['method']}@{ln['budget']}")
     return found, compared, ar
 
 
@@ -64,7 +68,7 @@ def main():
     found, compared, ar = divergences(args.results)
     jax.config.update("jax_default_matmul_precision", "highest")
     target = load_target(dtype=jnp.float32)
-    prompts = eval_prompt_ids(target.tokenizer, [k[0] for k in found], args.data_dir)
+    prompts = eval_prompt_ids(target.tokenizer, [k[1] for k in found], args.data_dir)
 
     @jax.jit
     def next_logits(tokens, last):
@@ -74,17 +78,17 @@ def main():
         return logits[0, 0]
 
     rows = []
-    keys = sorted(found, key=str)
+    keys = sorted(found, key=lambda k: (str(k[1:]), k[0]))  # the order of runs that keyed by prompt only
     if args.sample is not None and args.sample < len(keys):
         picked = np.random.default_rng(0).choice(len(keys), args.sample, replace=False)
         keys = [keys[i] for i in sorted(picked)]
-    for n, (benchmark, item_id, pos, ar_token, spec_token) in enumerate(keys):
-        row = dict(benchmark=benchmark, id=item_id, position=pos, methods=found[(benchmark, item_id, pos, ar_token,
-                                                                                 spec_token)])
+    for n, key in enumerate(keys):
+        path, benchmark, item_id, pos, ar_token, spec_token = key
+        row = dict(benchmark=benchmark, id=item_id, position=pos, methods=found[key])
         if ar_token is None:
             rows.append(dict(row, kind="length"))
             continue
-        prefix = prompts[(benchmark, item_id)] + ar[(benchmark, item_id)][:pos]
+        prefix = prompts[(benchmark, item_id)] + ar[(path, benchmark, item_id)][:pos]
         width = -(-len(prefix) // BUCKET) * BUCKET
         logits = np.asarray(next_logits(jnp.asarray([prefix + [0] * (width - len(prefix))]),
                                         jnp.int32(len(prefix) - 1)), np.float64)
