@@ -23,16 +23,10 @@ within() {  # SECONDS command...: runs it for at most SECONDS and never past the
   timeout $(( t < l ? t : l )) "$@"
 }
 
-export JETSPEC_GGUF=${JETSPEC_GGUF:-/tmp/jetspec-models/SmolLM2-135M-Instruct.Q4_1.gguf}
-export PYTHONPATH=/tmp/jetspec-site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
-ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
+. benchmarks/h200_env.sh
 runs=/tmp/evalrun bench=/tmp/evalrun/bench
 mkdir -p "$bench"
-for archived in eval/results/h200_bf16_{gsm8k,mbpp}*.jsonl.gz eval/results/h200_fp32_*.jsonl.gz; do
-  name=$(basename "$archived" .gz)
-  [ -f "$runs/$name" ] || { gunzip -c "$archived" > "$runs/$name" && cp "$archived.meta.json" "$runs/$name.meta.json"; }
-done
+unpack_archived "$runs" eval/results/h200_bf16_{gsm8k,mbpp}*.jsonl.gz eval/results/h200_fp32_*.jsonl.gz
 data=.carry/evaldata
 common=(--prompt-bucket 512 --max-new-tokens 512 --data-dir "$data" --no-progress)
 

@@ -8,16 +8,9 @@
 set -u
 deadline=$(( $(date +%s) + ${1:-560} ))
 within() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt 10 ] && timeout "$l" "$@"; }
-export JETSPEC_GGUF=${JETSPEC_GGUF:-/tmp/jetspec-models/SmolLM2-135M-Instruct.Q4_1.gguf}
-export PYTHONPATH=/tmp/jetspec-site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
-ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
+. benchmarks/h200_env.sh
 runs=/tmp/t0run
-mkdir -p "$runs"
-for archived in eval/results/h200_bf16_t0_*.jsonl.gz; do  # a later session resumes the archived files
-  name=$(basename "$archived" .gz)
-  [ -f "$runs/$name" ] || { gunzip -c "$archived" > "$runs/$name" && cp "$archived.meta.json" "$runs/$name.meta.json"; }
-done
+unpack_archived "$runs" eval/results/h200_bf16_t0_*.jsonl.gz  # a later session resumes the archived files
 common=(--limit 64 --temperatures 0 --prompt-bucket 512 --max-new-tokens 512 --data-dir .carry/evaldata --no-progress)
 
 CUDA_VISIBLE_DEVICES=0 within python -m jetspec_jax.eval run --benchmarks gsm8k math500 aime25 "${common[@]}" \
