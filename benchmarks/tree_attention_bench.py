@@ -10,8 +10,12 @@ GPU FlashAttention-3 as the Mosaic backend's reference point.
 
 Shapes of Qwen3-8B (32 query / 8 KV heads, dim 128) and of the embedded model (9 / 3, 64): prefix L in
 {1024, 4096, 16384}, N tree nodes in {16, 64, 256}, batch 1 and 8, bf16, random wide trees. Each
-call is timed on the device: `iters` calls chained inside one jitted fori_loop (each call's output is
-the next call's q), minus a one-call loop, divided by iters-1, so host dispatch is not counted.
+call is timed on the device: `iters` calls written out one after another in one jitted program (each
+call's output is the next call's q; K/V copies rotate so they are read from HBM), minus a chain of
+one, divided by iters-1, so host dispatch is not counted (`device_seconds`). Up to commit 78ad6bd the
+chain was a fori_loop, whose per-iteration host sync added several microseconds to every call; the
+target shapes' rows keep that number as `us_while_loop`. The kernel tuning is swept per call class
+(`call_class`) on that class's target shape, and each shape is then timed with its class's best.
 Bytes: q, the L+N rows of K and V, and the output; FLOPs: 4 * N * (L+N) * H * D. Ceilings: 4.3 TB/s
 copy bandwidth and 790 TFLOP/s bf16 measured on this H200.
 
@@ -28,6 +32,7 @@ import argparse
 import functools
 import importlib.util
 import itertools
+import math
 import os
 import sys
 
@@ -58,12 +63,32 @@ def inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype):
     return q, k, v, jnp.full((batch,), prefix, jnp.int32), anc
 
 
-def device_seconds(fn, q, rest, iters: int) -> float:
-    """Seconds of one fn(q, *rest) on the device: a chain of `iters` calls inside one jitted loop,
-    minus a chain of one (cancels the call's fixed cost)."""
-    loop = jax.jit(lambda q, rest, n: lax.fori_loop(0, n, lambda i, x: fn(x, *rest), q), static_argnums=2)
-    t_many = time_call(lambda: loop(q, rest, iters), repeats=5)
-    t_one = time_call(lambda: loop(q, rest, 1), repeats=5)
+L2_BYTES = 50e6  # the H200's L2: chained calls rotate over enough K/V copies that reads come from HBM
+
+
+def device_seconds(fn, x, rest, iters: int, chain: str = "unrolled") -> float:
+    """Seconds of one fn(x, *rest) on the device: `iters` calls chained (each call's output is the next
+    call's x) in one jitted program, minus a chain of one (cancels the program's fixed cost).
+    "unrolled" writes the calls out one after another, as the layers of a forward pass run, each on its
+    own copy of `rest` (cycled) so K/V are read from HBM, not from L2 left warm by the previous call.
+    "while_loop" is the earlier method (one copy, a fori_loop): XLA's GPU while loop syncs with the host
+    every iteration, which adds several microseconds per call (see the one_op_floor rows)."""
+    if chain == "while_loop":
+        loop = jax.jit(lambda x, rest, n: lax.fori_loop(0, n, lambda i, y: fn(y, *rest), x), static_argnums=2)
+        many, one = (lambda: loop(x, rest, iters)), (lambda: loop(x, rest, 1))
+    else:
+        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(rest))
+        copies = [rest] + [jax.tree.map(jnp.copy, rest) for _ in range(min(iters, math.ceil(4 * L2_BYTES /
+                                                                                          max(nbytes, 1))) - 1)]
+
+        def chained(x, copies, n):
+            for i in range(n):
+                x = fn(x, *copies[i % len(copies)])
+            return x
+        run = jax.jit(chained, static_argnums=2)
+        many, one = (lambda: run(x, copies, iters)), (lambda: run(x, copies[:1], 1))
+    t_many = time_call(many, repeats=7)
+    t_one = time_call(one, repeats=7)
     return (t_many - t_one) / (iters - 1)
 
 
@@ -139,12 +164,14 @@ def paths_for(q, k, v, lengths, anc, kernel_impl, tuning, baseline=None):
     return paths
 
 
-def measure(rows, base, fn, q, rest, iters, nbytes, flops, out_path, payload):
+def measure(rows, base, fn, x, rest, iters, nbytes, flops, out_path, payload, also_while_loop=False):
     try:
-        t = device_seconds(fn, q, rest, iters)
+        t = device_seconds(fn, x, rest, iters)
         row = dict(base, us=t * 1e6)
         if nbytes is not None:
             row.update(bandwidth_frac=nbytes / t / BANDWIDTH, flops_frac=flops / t / MATMUL_FLOPS)
+        if also_while_loop:
+            row["us_while_loop"] = device_seconds(fn, x, rest, iters, chain="while_loop") * 1e6
     except Exception as e:  # noqa: BLE001 - an implementation that rejects a shape is reported, not fatal
         row = dict(base, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     rows.append(row)
@@ -168,39 +195,50 @@ def check_kernel(kernel_impl, tuning, dtype):
     return err
 
 
-SWEEP = [TreeAttentionTuning(block_rows=r, block_k=kb, num_warps=w, num_stages=st, target_programs=tp)
-         for r, kb, w, st, tp in [(64, 64, 4, 2, 264), (64, 64, 4, 3, 264), (64, 64, 8, 2, 264), (64, 128, 4, 2, 264),
-                                  (64, 128, 8, 2, 264), (128, 64, 4, 2, 264), (128, 64, 8, 2, 264),
-                                  (128, 128, 8, 2, 264), (64, 64, 4, 4, 264), (128, 64, 4, 3, 264),
-                                  (64, 64, 4, 3, 132), (64, 64, 4, 3, 528), (64, 64, 4, 3, 1056),
-                                  (64, 32, 4, 3, 264), (32, 64, 4, 3, 264),
-                                  # around the one-wave best of the H200 run (d9bb84c)
-                                  (64, 64, 4, 2, 132), (64, 64, 4, 4, 132), (64, 128, 4, 3, 132),
-                                  (128, 64, 4, 3, 132), (128, 128, 8, 3, 132), (64, 64, 4, 3, 66),
-                                  (128, 64, 8, 3, 132), (128, 64, 8, 3, 264)]]
+def call_class(heads: int, kv_heads: int, n: int) -> str:
+    """The kernel's two tuning classes: at most one 64-row block of query rows per KV head ("decode",
+    bandwidth-bound) or more ("tree", compute-bound); kernels/tree_attention.py `default_tuning`."""
+    return "decode" if heads // kv_heads * n <= 64 else "tree"
 
 
-def tuning_sweep(args, dtype, payload):
-    """Every SWEEP tuning on the two target shapes; returns the one with the best geometric mean."""
+def tunings(*specs):
+    return [TreeAttentionTuning(block_rows=r, block_k=kb, num_warps=w, num_stages=st, target_programs=tp)
+            for r, kb, w, st, tp in specs]
+
+
+# Each class is swept on its target shape; the first entry is the kernel's default for the class.
+SWEEP = {
+    ("tree", ("qwen3-8b", 1, 4096, 256)): tunings(
+        (64, 64, 4, 3, 132), (64, 64, 4, 2, 132), (64, 64, 4, 3, 66), (64, 64, 4, 3, 264), (64, 128, 4, 3, 132),
+        (64, 32, 4, 3, 132), (128, 64, 4, 3, 132), (128, 64, 8, 2, 132), (128, 64, 8, 3, 132),
+        (128, 128, 8, 3, 132)),
+    ("decode", ("qwen3-8b", 1, 16384, 16)): tunings(
+        (64, 64, 4, 3, 132), (64, 64, 4, 2, 264), (64, 64, 4, 3, 264), (64, 64, 4, 2, 128), (64, 64, 4, 3, 128),
+        (64, 32, 4, 2, 264), (64, 32, 4, 3, 264), (64, 128, 4, 2, 264), (64, 64, 8, 2, 264), (64, 64, 4, 2, 528)),
+}
+
+
+def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
+    """Every SWEEP tuning of a class on that class's target shape; returns the fastest per class."""
     rng = np.random.default_rng(0)
-    shapes = [("qwen3-8b", 1, 4096, 256), ("qwen3-8b", 1, 16384, 16)]
+    sweep = SWEEP
     if args.quick:
-        shapes, sweep = [("smollm2-135m", 1, 64, 16)], SWEEP[:2]
-    else:
-        sweep = SWEEP
-    times = {t: [] for t in sweep}
-    for shape_name, batch, prefix, n in shapes:
+        sweep = {("decode", ("smollm2-135m", 1, 64, 16)): SWEEP[next(iter(SWEEP))][:2]}
+    best = {}
+    for (cls, (shape_name, batch, prefix, n)), candidates in sweep.items():
         heads, kv_heads, d = HEAD_SHAPES[shape_name]
         q, k, v, lengths, anc = inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype)
         words = pack_tree_mask(anc)
-        for tuning in sweep:
+        times = []
+        for tuning in candidates:
             fn = functools.partial(tree_attention, implementation=args.kernel_impl, tuning=tuning)
-            base = dict(shape=shape_name, batch=batch, L=prefix, N=n, tuning=tuning_name(tuning))
+            base = dict(shape=shape_name, batch=batch, L=prefix, N=n, call_class=cls, tuning=tuning_name(tuning))
             row = measure(payload["sweep"], base, fn, q, (k, v, lengths, words), args.iters, None, None, args.out,
                           payload)
-            times[tuning].append(row.get("us", float("inf")))
-    best = min(sweep, key=lambda t: float(np.exp(np.mean(np.log(times[t])))))
-    print(f"best tuning: {tuning_name(best)}", flush=True)
+            times.append(row.get("us", float("inf")))
+        best[cls] = candidates[int(np.argmin(times))]
+        print(f"best {cls} tuning: {tuning_name(best[cls])}", flush=True)
+    best.setdefault("tree", best.get("decode"))
     return best
 
 
@@ -211,8 +249,8 @@ def tuning_name(t: TreeAttentionTuning) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes (for the CPU)")
-    p.add_argument("--iters", type=int, default=120,
-                   help="calls per timed chain (runs up to 3 used 30: about 10 us of run-to-run spread)")
+    p.add_argument("--iters", type=int, default=40,
+                   help="calls per timed chain (unrolled, so each is compiled in: more costs compile time)")
     p.add_argument("--out", default="benchmarks/results/tree_attention.json")
     p.add_argument("--shapes", nargs="+", choices=list(HEAD_SHAPES), default=list(HEAD_SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
@@ -236,21 +274,23 @@ def main():
     if not args.quick:
         payload["kernel_max_abs_error_vs_reference"] = check_kernel(args.kernel_impl, TreeAttentionTuning(), dtype)
     best = tuning_sweep(args, dtype, payload)
-    payload["tuning"] = tuning_name(best)
+    payload["tuning"] = {cls: tuning_name(t) for cls, t in best.items()}
     rng = np.random.default_rng(0)
     for shape_name, (heads, kv_heads, d) in shapes.items():
         for batch, prefix, n in itertools.product(batches, prefixes, nodes):
             q, k, v, lengths, anc = inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype)
             nbytes = (q.size * 2 + 2 * k.size) * q.dtype.itemsize
             flops = 4 * n * (prefix + n) * heads * d * batch
-            for name, (fn, rest, x) in paths_for(q, k, v, lengths, anc, args.kernel_impl, best,
+            target = TARGETS_US.get((shape_name, batch, prefix, n))
+            cls = call_class(heads, kv_heads, n)
+            for name, (fn, rest, x) in paths_for(q, k, v, lengths, anc, args.kernel_impl, best[cls],
                                                      baseline).items():
-                base = dict(shape=shape_name, batch=batch, L=prefix, N=n, path=name,
-                            target_us=TARGETS_US.get((shape_name, batch, prefix, n)))
-                measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload)
-    print_table(payload["sweep"], ["shape", "batch", "L", "N", "tuning", "us", "error"])
-    print_table(payload["attention"], ["shape", "batch", "L", "N", "path", "us", "target_us", "bandwidth_frac",
-                                       "flops_frac", "error"])
+                base = dict(shape=shape_name, batch=batch, L=prefix, N=n, path=name, target_us=target)
+                measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload,
+                        also_while_loop=target is not None and name in ("pallas", "one_op_floor"))
+    print_table(payload["sweep"], ["shape", "batch", "L", "N", "call_class", "tuning", "us", "error"])
+    print_table(payload["attention"], ["shape", "batch", "L", "N", "path", "us", "us_while_loop", "target_us",
+                                       "bandwidth_frac", "flops_frac", "error"])
     write_json_atomic(args.out, payload)
 
 
