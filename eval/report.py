@@ -48,11 +48,15 @@ def load_results(paths: list[str]) -> tuple[list[dict], list[dict]]:
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no results file at {path}")
+        repeated = []
         for line in read_lines(path):
             key = line_key(line) + (precision(line),)
             if key in by_key:
-                log.warning("%s repeats %s; the later line is used", path, key)
+                repeated.append(key)
             by_key[key] = line
+        if repeated:  # a rerun archived beside the first run replaces its lines
+            log.warning("%s repeats %d keys read before (first: %s); the later line of each is used", path, len(repeated),
+                        repeated[0])
         meta = read_meta(path)
         if meta is not None:
             metas.append({"results": path, **meta})
