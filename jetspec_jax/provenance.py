@@ -31,6 +31,8 @@ def environment() -> dict[str, Any]:
         except ImportError:
             pass
     info["git_commit"] = os.environ.get("JETSPEC_COMMIT") or git_head()
+    if os.environ.get("XLA_FLAGS"):  # they change what XLA compiles, so timings depend on them
+        info["xla_flags"] = os.environ["XLA_FLAGS"]
     return info
 
 

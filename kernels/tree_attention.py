@@ -82,12 +82,13 @@ class TreeAttentionTuning:
     target_programs: int = 132  # one wave on the H200's 132 multiprocessors: best of 1/2/4/8 waves swept
     num_warps: int = 4
     num_stages: int = 3  # with the above: best of the tilings swept on the H200 (benchmarks/results)
+    min_blocks_per_split: int = 4  # fewer: shorter serial loop per program, more partial results to merge
 
     def splits_for(self, cache_rows: int, programs_per_split: int) -> int:
         if self.prefix_splits is not None:
             return self.prefix_splits
         wanted = -(-self.target_programs // programs_per_split)
-        return max(1, min(wanted, 64, -(-cache_rows // (4 * self.block_k))))
+        return max(1, min(wanted, 64, -(-cache_rows // (self.min_blocks_per_split * self.block_k))))
 
 
 def _online_softmax_step(q, k, v, visible, carry, scale):

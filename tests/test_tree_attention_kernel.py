@@ -50,7 +50,8 @@ def test_default_splitting_and_single_split_agree():
     rng = np.random.default_rng(3)
     q, k, v, lengths, words = make_inputs(rng, 2, 9, 4, 2, 64, 2100, [2000, 700], ["random"], jnp.float32)
     ref = tree_attention_reference(q, k, v, lengths, words)
-    for tuning in (TreeAttentionTuning(), TreeAttentionTuning(prefix_splits=1, block_k=128)):
+    for tuning in (TreeAttentionTuning(), TreeAttentionTuning(prefix_splits=1, block_k=128),
+                   TreeAttentionTuning(min_blocks_per_split=1, block_k=32)):  # 64 one-block splits
         got = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret", tuning=tuning)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
