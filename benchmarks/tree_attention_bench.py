@@ -11,11 +11,14 @@ GPU FlashAttention-3 as the Mosaic backend's reference point.
 Shapes of Qwen3-8B (32 query / 8 KV heads, dim 128) and of the embedded model (9 / 3, 64): prefix L in
 {1024, 4096, 16384}, N tree nodes in {16, 64, 256}, batch 1 and 8, bf16, random wide trees. Each
 call is timed on the device: `iters` calls written out one after another in one jitted program (each
-call's output is the next call's q; K/V copies rotate so they are read from HBM), minus a chain of
-one, divided by iters-1, so host dispatch is not counted (`device_seconds`). Up to commit 78ad6bd the
-chain was a fori_loop, whose per-iteration host sync added several microseconds to every call; the
-target shapes' rows keep that number as `us_while_loop`. The kernel tuning is swept per call class
-(`call_class`) on that class's target shape, and each shape is then timed with its class's best.
+call's output is the next call's q; K/V copies rotate so they are read from HBM). `us` is wall time:
+(chain - chain of one) / (iters-1). Where kernels are short, that is the host's time to launch them,
+so each chain is also profiled and the GPU's own clock gives `gpu_busy_us` (summed kernel durations
+per call: the layout, kernel and merge of our path) and `kernel_us` (the Pallas kernel alone); the
+bandwidth and FLOP fractions use `gpu_busy_us`. Up to commit 78ad6bd the chain was a fori_loop, whose
+per-iteration host sync added several microseconds to every call; the target shapes' rows keep that
+number as `us_while_loop`. The kernel tuning is swept per call class (`call_class`) on the class's
+shapes (by `gpu_busy_us`), and each shape is then timed with its class's best.
 Bytes: q, the L+N rows of K and V, and the output; FLOPs: 4 * N * (L+N) * H * D. Ceilings: 4.3 TB/s
 copy bandwidth and 790 TFLOP/s bf16 measured on this H200.
 
@@ -30,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import importlib.util
 import itertools
 import math
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -66,30 +71,58 @@ def inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype):
 L2_BYTES = 50e6  # the H200's L2: chained calls rotate over enough K/V copies that reads come from HBM
 
 
-def device_seconds(fn, x, rest, iters: int, chain: str = "unrolled") -> float:
-    """Seconds of one fn(x, *rest) on the device: `iters` calls chained (each call's output is the next
-    call's x) in one jitted program, minus a chain of one (cancels the program's fixed cost).
+def chained_calls(fn, x, rest, iters: int, chain: str = "unrolled"):
+    """(many, one): zero-argument calls running `iters` and 1 chained fn(x, *rest) in one jitted program
+    (each call's output is the next call's x).
     "unrolled" writes the calls out one after another, as the layers of a forward pass run, each on its
     own copy of `rest` (cycled) so K/V are read from HBM, not from L2 left warm by the previous call.
     "while_loop" is the earlier method (one copy, a fori_loop): XLA's GPU while loop syncs with the host
     every iteration, which adds several microseconds per call (see the one_op_floor rows)."""
     if chain == "while_loop":
         loop = jax.jit(lambda x, rest, n: lax.fori_loop(0, n, lambda i, y: fn(y, *rest), x), static_argnums=2)
-        many, one = (lambda: loop(x, rest, iters)), (lambda: loop(x, rest, 1))
-    else:
-        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(rest))
-        copies = [rest] + [jax.tree.map(jnp.copy, rest) for _ in range(min(iters, math.ceil(4 * L2_BYTES /
-                                                                                          max(nbytes, 1))) - 1)]
+        return (lambda: loop(x, rest, iters)), (lambda: loop(x, rest, 1))
+    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(rest))
+    copies = [rest] + [jax.tree.map(jnp.copy, rest)
+                       for _ in range(min(iters, math.ceil(4 * L2_BYTES / max(nbytes, 1))) - 1)]
 
-        def chained(x, copies, n):
-            for i in range(n):
-                x = fn(x, *copies[i % len(copies)])
-            return x
-        run = jax.jit(chained, static_argnums=2)  # both get every copy: passing arguments costs host time too
-        many, one = (lambda: run(x, copies, iters)), (lambda: run(x, copies, 1))
+    def chained(x, copies, n):
+        for i in range(n):
+            x = fn(x, *copies[i % len(copies)])
+        return x
+    run = jax.jit(chained, static_argnums=2)  # both get every copy: passing arguments costs host time too
+    return (lambda: run(x, copies, iters)), (lambda: run(x, copies, 1))
+
+
+def device_seconds(many, one, iters: int) -> float:
+    """Wall seconds per call: (chain of `iters` - chain of one) / (iters - 1), so the program's fixed
+    cost cancels. Where the host launches kernels more slowly than the GPU runs them, this is the host's
+    launch time, not the GPU's (`gpu_microseconds` tells them apart)."""
     t_many = time_call(many, repeats=7)
     t_one = time_call(one, repeats=7)
     return (t_many - t_one) / (iters - 1)
+
+
+def gpu_microseconds(many, iters: int) -> dict[str, float] | None:
+    """The GPU's own clock, from a profile of one chain: `gpu_busy_us`, the summed durations of every
+    kernel the chain ran, per call, and `kernel_us`, the median duration of the Pallas kernel's
+    launches (where the path has one). None where the profile has no GPU plane (CPU runs)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.block_until_ready(many())
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(many())
+        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None
+        profile = jax.profiler.ProfileData.from_file(files[0])
+    events = [(e.name, e.duration_ns) for plane in profile.planes if plane.name.startswith("/device:GPU")
+              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    if not events:
+        return None
+    out = {"gpu_busy_us": sum(d for _, d in events) / 1e3 / iters}
+    kernel = sorted(d for name, d in events if "tree_attention" in name)
+    if kernel:
+        out["kernel_us"] = kernel[len(kernel) // 2] / 1e3
+    return out
 
 
 def mosaic_fa3():
@@ -166,12 +199,17 @@ def paths_for(q, k, v, lengths, anc, kernel_impl, tuning, baseline=None):
 
 def measure(rows, base, fn, x, rest, iters, nbytes, flops, out_path, payload, also_while_loop=False):
     try:
-        t = device_seconds(fn, x, rest, iters)
+        many, one = chained_calls(fn, x, rest, iters)
+        t = device_seconds(many, one, iters)
         row = dict(base, us=t * 1e6)
+        gpu = gpu_microseconds(many, iters)
+        if gpu is not None:
+            row.update(gpu)
+            t = gpu["gpu_busy_us"] / 1e6  # the fractions below use the GPU's own time where there is one
         if nbytes is not None:
             row.update(bandwidth_frac=nbytes / t / BANDWIDTH, flops_frac=flops / t / MATMUL_FLOPS)
         if also_while_loop:
-            row["us_while_loop"] = device_seconds(fn, x, rest, iters, chain="while_loop") * 1e6
+            row["us_while_loop"] = device_seconds(*chained_calls(fn, x, rest, iters, "while_loop"), iters) * 1e6
     except Exception as e:  # noqa: BLE001 - an implementation that rejects a shape is reported, not fatal
         row = dict(base, error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
     rows.append(row)
@@ -239,7 +277,7 @@ def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
                 base = dict(shape=shape_name, batch=batch, L=prefix, N=n, call_class=cls, tuning=tuning_name(tuning))
                 row = measure(payload["sweep"], base, fn, q, (k, v, lengths, words), args.iters, None, None,
                               args.out, payload)
-                log_times[i] += np.log(max(row.get("us", np.inf), 1e-3))
+                log_times[i] += np.log(max(row.get("gpu_busy_us", row.get("us", np.inf)), 1e-3))
         best[cls] = candidates[int(np.argmin(log_times))]
         print(f"best {cls} tuning: {tuning_name(best[cls])}", flush=True)
     best.setdefault("tree", best.get("decode"))
@@ -296,9 +334,10 @@ def main():
                 base = dict(shape=shape_name, batch=batch, L=prefix, N=n, path=name, target_us=target)
                 measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload,
                         also_while_loop=target is not None and name in ("pallas", "one_op_floor"))
-    print_table(payload["sweep"], ["shape", "batch", "L", "N", "call_class", "tuning", "us", "error"])
-    print_table(payload["attention"], ["shape", "batch", "L", "N", "path", "us", "us_while_loop", "target_us",
-                                       "bandwidth_frac", "flops_frac", "error"])
+    print_table(payload["sweep"], ["shape", "batch", "L", "N", "call_class", "tuning", "us", "gpu_busy_us",
+                                   "kernel_us", "error"])
+    print_table(payload["attention"], ["shape", "batch", "L", "N", "path", "us", "gpu_busy_us", "kernel_us",
+                                       "us_while_loop", "target_us", "bandwidth_frac", "flops_frac", "error"])
     write_json_atomic(args.out, payload)
 
 
