@@ -12,16 +12,16 @@ group shares its K/V loads; the last split takes the tree nodes, the others shar
 log-sum-exp merge combines them.
 
 Checked with jax 0.10.2 on the CPU (interpret=True against the reference, and the Triton module
-lowered for CUDA passes MLIR's verifier) and with jax 0.11.2 on an H200 (Triton lowering; faster than
-XLA's dense-mask attention and cuDNN at 34 of 36 benchmarked shapes:
-benchmarks/results/tree_attention_h200.json).
+lowered for CUDA passes MLIR's verifier) and with jax 0.11.2 on an H200 (Triton lowering; on the GPU's
+own clock faster than XLA's dense-mask attention and cuDNN at all 36 benchmarked shapes:
+benchmarks/results/tree_attention_h200_gpu_clock_*.json).
 
-Triton lowering rather than Mosaic GPU (`plgpu` for Hopper), by measurement
-(benchmarks/results/tree_attention_h200_qwen3_8b_b1.json, tree_attention_h200_session4.json):
-upstream's Mosaic FlashAttention-3, with no mask and no split-K, took 78-80 us at L=4096 N=256 where
-this kernel, masked, takes 65-67 us (77-95 us before the exp2 and unmasked-block changes), and
-214-218 us at L=16384 N=16 where this one takes 34-44 us. A Mosaic port would have to add the tree
-mask and split-K to FA3 before it could compete.
+Triton lowering rather than Mosaic GPU (`plgpu` for Hopper), by measurement (same files): upstream's
+Mosaic FlashAttention-3, with no mask and no split-K, takes 55 us of GPU time at batch 1 L=4096 N=256
+where this kernel's whole call, masked, takes 58 (kernel alone 53), and 199 us at L=16384 N=16 where
+this one takes 29. FA3 wins where the work is large and compute-bound (batch 8, N=256: 82% of the
+matmul rate against 47%), so a Mosaic port with the tree mask, GQA sharing and split-K is where the
+next gain lies.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class TreeAttentionTuning:
     target_programs: int = 132  # one wave on the H200's 132 multiprocessors: best of 1/2/4/8 waves swept
     num_warps: int = 4
     num_stages: int = 3  # with the above: best of the tilings swept on the H200 (benchmarks/results)
-    min_blocks_per_split: int = 4  # fewer: shorter serial loop per program, more partial results to merge
+    min_blocks_per_split: int = 4  # 1 and 2 swept: shorter kernels, but the larger merge costs more
 
     def splits_for(self, cache_rows: int, programs_per_split: int) -> int:
         if self.prefix_splits is not None:
