@@ -1,13 +1,19 @@
-"""Shared helpers for benchmark scripts: timing with the device clock, table printing and the eval's
-prompt tokens (provenance and atomic JSON come from jetspec_jax.provenance)."""
+"""Shared helpers for benchmark scripts: timing (wall clock of chained calls, and the GPU's own clock
+from a profile), table printing and the eval's prompt tokens (provenance and atomic JSON come from jetspec_jax.provenance)."""
 
 from __future__ import annotations
 
+import glob
+import math
+import os
 import statistics
+import tempfile
 import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jetspec_jax.provenance import environment, write_json_atomic  # noqa: F401  (re-exported)
 
@@ -48,3 +54,60 @@ def fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+L2_BYTES = 50e6  # the H200's L2: chained calls rotate over enough K/V copies that reads come from HBM
+
+
+def chained_calls(fn, x, rest, iters: int, chain: str = "unrolled"):
+    """(many, one): zero-argument calls running `iters` and 1 chained fn(x, *rest) in one jitted program
+    (each call's output is the next call's x).
+    "unrolled" writes the calls out one after another, as the layers of a forward pass run, each on its
+    own copy of `rest` (cycled) so K/V are read from HBM, not from L2 left warm by the previous call.
+    "while_loop" is the earlier method (one copy, a fori_loop): XLA's GPU while loop syncs with the host
+    every iteration, which adds several microseconds per call (see the one_op_floor rows)."""
+    if chain == "while_loop":
+        loop = jax.jit(lambda x, rest, n: lax.fori_loop(0, n, lambda i, y: fn(y, *rest), x), static_argnums=2)
+        return (lambda: loop(x, rest, iters)), (lambda: loop(x, rest, 1))
+    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(rest))
+    copies = [rest] + [jax.tree.map(jnp.copy, rest)
+                       for _ in range(min(iters, math.ceil(4 * L2_BYTES / max(nbytes, 1))) - 1)]
+
+    def chained(x, copies, n):
+        for i in range(n):
+            x = fn(x, *copies[i % len(copies)])
+        return x
+    run = jax.jit(chained, static_argnums=2)  # both get every copy: passing arguments costs host time too
+    return (lambda: run(x, copies, iters)), (lambda: run(x, copies, 1))
+
+
+def device_seconds(many, one, iters: int) -> float:
+    """Wall seconds per call: (chain of `iters` - chain of one) / (iters - 1), so the program's fixed
+    cost cancels. Where the host launches kernels more slowly than the GPU runs them, this is the host's
+    launch time, not the GPU's (`gpu_microseconds` tells them apart)."""
+    t_many = time_call(many, repeats=7)
+    t_one = time_call(one, repeats=7)
+    return (t_many - t_one) / (iters - 1)
+
+
+def gpu_microseconds(many, iters: int, kernel_name: str = "tree_attention") -> dict[str, float] | None:
+    """The GPU's own clock, from a profile of one chain: `gpu_busy_us`, the summed durations of every
+    kernel the chain ran, per call, and `kernel_us`, the median duration of the launches of the Pallas
+    kernel named `kernel_name` (where the path has one). None where the profile has no GPU plane."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.block_until_ready(many())
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(many())
+        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None
+        profile = jax.profiler.ProfileData.from_file(files[0])
+    events = [(e.name, e.duration_ns) for plane in profile.planes if plane.name.startswith("/device:GPU")
+              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    if not events:
+        return None
+    out = {"gpu_busy_us": sum(d for _, d in events) / 1e3 / iters}
+    kernel = sorted(d for name, d in events if kernel_name in name)
+    if kernel:
+        out["kernel_us"] = kernel[len(kernel) // 2] / 1e3
+    return out

@@ -19,10 +19,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jetspec_jax.autoregressive import GenerationConfig, is_stop_token, prefill
+from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS
+from jetspec_jax.kernels.tree_build import build_trees
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.sampling import select_tokens
-from jetspec_jax.tree import build_tree, top_candidates, validate_tree_settings
+from jetspec_jax.tree import top_candidates, validate_tree_settings
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
 
 ATTENTION_IMPLS = qwen3.ATTENTION_IMPLS
@@ -37,12 +39,15 @@ class SpecConfig:
     width: int = 7  # candidates per depth (ignored by dflash, which uses 1)
     max_depth: int | None = None  # None: as deep as the drafter predicts
     attention_impl: str = "auto"  # verify attention (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
+    tree_impl: str = "auto"  # tree builder (kernels.tree_build.IMPLEMENTATIONS); auto = Pallas kernel on GPU
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} is not one of {METHODS}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl {self.attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
+        if self.tree_impl not in TREE_IMPLS:
+            raise ValueError(f"tree_impl {self.tree_impl!r} is not one of {', '.join(TREE_IMPLS)}")
         validate_tree_settings(self.budget, self.width, self.max_depth if self.max_depth is not None else 1)
 
     def depth(self, drafter_depth: int) -> int:
@@ -130,7 +135,7 @@ def speculative_generate(params: Any, drafter_params: Any, prompt_tokens: jax.Ar
         anchor, cache, state, out, num, done, forwards, counts, key = carry
         draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
         cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft, axis=-1), width)
-        tree = jax.vmap(functools.partial(build_tree, budget=budget))(anchor, cand_tokens, cand_logps)
+        tree = build_trees(anchor, cand_tokens, cand_logps, budget=budget, implementation=spec.tree_impl)
         logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted, spec.attention_impl)
         key, sub = jax.random.split(key)
         result = accept(tree, target_choices(logits, sub, gen.sampling), depth)
