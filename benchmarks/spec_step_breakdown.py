@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import sys
 
@@ -38,7 +37,9 @@ from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
 from jetspec_jax.speculative import ATTENTION_IMPLS, HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
-from jetspec_jax.tree import build_tree, top_candidates  # noqa: E402
+from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
+from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
+from jetspec_jax.tree import top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
 
 QWEN3_8B = qwen3.Config(architecture="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
@@ -84,6 +85,9 @@ def main():
     p.add_argument("--head-layers", type=int, default=None, help="layers of an untrained head (2; 8B: 5)")
     p.add_argument("--target-layers", type=int, default=None, help="8B shape only: fewer layers (CPU checks)")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--tree-builders", nargs="+", default=["auto"], choices=TREE_IMPLS,
+                   help="the first builds the trees of every row and the whole step; the others' build "
+                        "times are added as tree_ms_<builder>")
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--contexts", type=int, nargs="+", default=[512], help="committed tokens before the step")
@@ -137,8 +141,9 @@ def main():
                 finish_row(rows[-1], budget)
                 print(rows[-1], flush=True)
                 write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
-    print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_ms", "verify_ms", "accept_commit_ms",
-                       "sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])
+    print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_builder", "tree_ms"]
+                + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
+                + ["verify_ms", "accept_commit_ms", "sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])
     write_json_atomic(args.out, payload)
 
 
@@ -169,15 +174,17 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
     the whole step inside speculative_generate for the embedded target."""
     args, cfg, taps_wanted = st.args, st.cfg, st.drafter.cfg.tap_layers
 
-    def make_tree(logits, anchor):
+    def make_tree(logits, anchor, builder=args.tree_builders[0]):
         tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
-        return jax.vmap(functools.partial(build_tree, budget=budget))(anchor, tokens, logps)
+        return build_trees(anchor, tokens, logps, budget=budget, implementation=builder)
 
-    def tree_body(i, logits, anchor):
-        tree = make_tree(logits, anchor)
-        return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
+    tree_ms = {}
+    for builder in args.tree_builders:
+        def tree_body(i, logits, anchor, builder=builder):
+            tree = make_tree(logits, anchor, builder)
+            return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
 
-    tree_ms = per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
+        tree_ms[builder] = per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
     tree = jax.jit(make_tree)(st.draft_logits, st.anchor)
 
     def verify_body(i, cache, params, tree):
@@ -196,10 +203,12 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
         return compact_cache(cache, result.path, keep), st.drafter.observe(head, ctx, path_taps, keep)
 
     accept_ms = per_iteration_ms(accept_body, (verified_cache, st.ctx), st.iters, tree, vlogits, node_taps, st.head)
-    row = dict(context=st.prompt.shape[1], attention=impl, budget=budget, width=args.width, tree_ms=tree_ms,
-               verify_ms=verify_ms, accept_commit_ms=accept_ms)
+    row = dict(context=st.prompt.shape[1], attention=impl, budget=budget, width=args.width,
+               tree_builder=args.tree_builders[0], tree_ms=tree_ms[args.tree_builders[0]], verify_ms=verify_ms,
+               accept_commit_ms=accept_ms)
+    row.update({f"tree_ms_{builder}": ms for builder, ms in tree_ms.items() if builder != args.tree_builders[0]})
     if args.target == "embedded":
-        spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl)
+        spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0])
 
         def full(n):
             gen = GenerationConfig(max_new_tokens=n)
