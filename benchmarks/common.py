@@ -1,5 +1,6 @@
-"""Shared helpers for benchmark scripts: timing (wall clock of chained calls, and the GPU's own clock
-from a profile), table printing and the eval's prompt tokens (provenance and atomic JSON come from jetspec_jax.provenance)."""
+"""Shared helpers for benchmark scripts: timing (wall clock of chained calls, and the GPU's own
+clock from a profile), table printing and the eval's prompt tokens (provenance and atomic JSON
+come from jetspec_jax.provenance)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-L2_BYTES = 50e6  # the H200's L2: chained calls rotate over enough K/V copies that reads come from HBM
+L2_BYTES = 50e6  # the H200's L2: chained calls rotate over enough argument copies that reads come from HBM
 
 
 def chained_calls(fn, x, rest, iters: int, chain: str = "unrolled"):
@@ -65,7 +66,7 @@ def chained_calls(fn, x, rest, iters: int, chain: str = "unrolled"):
     "unrolled" writes the calls out one after another, as the layers of a forward pass run, each on its
     own copy of `rest` (cycled) so K/V are read from HBM, not from L2 left warm by the previous call.
     "while_loop" is the earlier method (one copy, a fori_loop): XLA's GPU while loop syncs with the host
-    every iteration, which adds several microseconds per call (see the one_op_floor rows)."""
+    every iteration, which adds several microseconds per call (tree_attention_bench's one_op_floor)."""
     if chain == "while_loop":
         loop = jax.jit(lambda x, rest, n: lax.fori_loop(0, n, lambda i, y: fn(y, *rest), x), static_argnums=2)
         return (lambda: loop(x, rest, iters)), (lambda: loop(x, rest, 1))

@@ -143,7 +143,8 @@ def main():
                 write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
     print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_builder", "tree_ms"]
                 + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
-                + ["verify_ms", "accept_commit_ms", "sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])
+                + ["verify_ms", "accept_commit_ms", "sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar",
+                   "c_percent"])
     write_json_atomic(args.out, payload)
 
 

@@ -55,8 +55,8 @@ def load_results(paths: list[str]) -> tuple[list[dict], list[dict]]:
                 repeated.append(key)
             by_key[key] = line
         if repeated:  # a rerun archived beside the first run replaces its lines
-            log.warning("%s repeats %d keys read before (first: %s); the later line of each is used", path, len(repeated),
-                        repeated[0])
+            log.warning("%s repeats %d keys read before (first: %s); the later line of each is used", path,
+                        len(repeated), repeated[0])
         meta = read_meta(path)
         if meta is not None:
             metas.append({"results": path, **meta})

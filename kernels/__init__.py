@@ -1,1 +1,2 @@
-"""Pallas GPU kernels for tree attention, each beside its plain-jnp reference."""
+"""Pallas GPU kernels (tree attention, tree build), each with a plain-jnp reference and an entry
+point that runs the reference off the GPU."""

@@ -5,6 +5,10 @@ H200, 37 pops at B=256, so half a millisecond per step); here one program per se
 frontier in registers through every pop. Same trees, bit for bit: the scores are the same fp32 sums
 and ties go to the earlier-inserted node. `build_trees` dispatches: the Pallas kernel (Triton
 lowering) on GPU, the vmapped reference elsewhere.
+
+Checked with jax 0.10.2 on the CPU (interpret=True against the reference; the CUDA-lowered Triton
+module passes MLIR's verifier) and with jax 0.11.2 on an H200: equal trees, 28 us of GPU time at
+B=256 against 506 us for the reference's loop (benchmarks/results/tree_build_h200.json).
 """
 
 from __future__ import annotations

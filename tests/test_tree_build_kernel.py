@@ -29,8 +29,9 @@ def assert_same_trees(root, tokens, logps, budget):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(tree_inputs(), min_size=1, max_size=3))
 def test_kernel_equals_reference(batch):
-    """Small depths, widths and budgets (powers of two or not) with many exact ties; the batch shares
-    depth, width and budget, so the first example's are used for all."""
+    """Small depths, widths and budgets (powers of two or not) with many exact ties. A batch shares
+    its shapes and budget: examples of another depth or width are dropped, the first one's budget
+    is used."""
     tokens, logps, budget = batch[0]
     rows = [(t, lp) for t, lp, _ in batch if t.shape == tokens.shape]
     root = jnp.arange(len(rows), dtype=jnp.int32) + 3
