@@ -180,9 +180,12 @@ def call_class(heads: int, kv_heads: int, n: int) -> str:
 
 
 def tunings(*specs):
-    """(block_rows, block_k, num_warps, num_stages, target_programs[, min_blocks_per_split])."""
+    """(block_rows, block_k, num_warps, num_stages, target_programs[, {other TreeAttentionTuning fields}])."""
     return [TreeAttentionTuning(block_rows=r, block_k=kb, num_warps=w, num_stages=st, target_programs=tp,
-                                min_blocks_per_split=rest[0] if rest else 4) for r, kb, w, st, tp, *rest in specs]
+                                **(rest[0] if rest else {})) for r, kb, w, st, tp, *rest in specs]
+
+
+M1, M2, TREE_LAST = {"min_blocks_per_split": 1}, {"min_blocks_per_split": 2}, {"tree_in_last_split": True}
 
 
 # Per class: the shapes it is swept on (the issue's target, and the embedded model's verify at B=256 or
@@ -191,11 +194,13 @@ def tunings(*specs):
 SWEEP = {
     "tree": ([("qwen3-8b", 1, 4096, 256), ("smollm2-135m", 1, 1024, 256)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 2, 132), (64, 64, 4, 3, 66), (64, 64, 4, 3, 264), (64, 128, 4, 3, 132),
-        (64, 32, 4, 3, 132), (128, 64, 4, 3, 132), (128, 64, 8, 3, 132), (128, 128, 8, 3, 132))),
+        (64, 32, 4, 3, 132), (128, 64, 4, 3, 132), (128, 64, 8, 3, 132), (128, 128, 8, 3, 132),
+        (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 264, TREE_LAST), (64, 64, 4, 3, 66, TREE_LAST))),
     "decode": ([("qwen3-8b", 1, 16384, 16), ("smollm2-135m", 1, 1024, 1)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 2, 264), (64, 64, 4, 3, 264), (64, 64, 4, 3, 128), (64, 32, 4, 3, 264),
-        (64, 32, 4, 2, 264), (64, 64, 4, 3, 132, 1), (64, 64, 4, 3, 264, 1), (64, 64, 4, 3, 264, 2),
-        (64, 32, 4, 3, 264, 2), (64, 64, 4, 2, 264, 1))),
+        (64, 32, 4, 2, 264), (64, 64, 4, 3, 132, M1), (64, 64, 4, 3, 264, M1), (64, 64, 4, 3, 264, M2),
+        (64, 32, 4, 3, 264, M2), (64, 64, 4, 2, 264, M1), (64, 64, 4, 3, 132, TREE_LAST),
+        (64, 64, 4, 3, 264, TREE_LAST))),
 }
 
 
@@ -226,7 +231,8 @@ def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
 
 def tuning_name(t: TreeAttentionTuning) -> str:
     return (f"rows{t.block_rows}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}_p{t.target_programs}"
-            + (f"_m{t.min_blocks_per_split}" if t.min_blocks_per_split != 4 else ""))
+            + (f"_m{t.min_blocks_per_split}" if t.min_blocks_per_split != 4 else "")
+            + ("_treelast" if t.tree_in_last_split else ""))
 
 
 def main():

@@ -83,6 +83,11 @@ class TreeAttentionTuning:
     num_warps: int = 4
     num_stages: int = 3  # with the above: best of the tilings swept on the H200 (benchmarks/results)
     min_blocks_per_split: int = 4  # 1 and 2 swept: shorter kernels, but the larger merge costs more
+    tree_in_last_split: bool = False  # the last prefix split's programs also take the tree nodes: one
+    # partial result fewer to write and merge, no programs for the tree alone (to be measured)
+
+    def num_partials(self, splits: int) -> int:
+        return splits if self.tree_in_last_split else splits + 1
 
     def splits_for(self, cache_rows: int, programs_per_split: int) -> int:
         if self.prefix_splits is not None:
@@ -108,10 +113,12 @@ def _online_softmax_step(q, k, v, visible, carry, scale):
 
 
 def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, lse_ref, *, num_nodes: int,
-                           num_words: int, prefix_splits: int, split_rows: int, block_k: int, scale: float):
+                           num_words: int, prefix_splits: int, tree_split: int, split_rows: int, block_k: int,
+                           scale: float):
     """Grid (batch, kv head, row block, split). A row is one (query head of the group, node) pair, so
     the group's heads share every K/V load. Splits < prefix_splits cover prefix rows
-    [split * split_rows, ...) up to the prefix length; the last split covers the tree nodes."""
+    [split * split_rows, ...) up to the prefix length; split `tree_split` covers the tree nodes (the
+    one after the prefix splits, or the last of them)."""
     b, split = pl.program_id(0), pl.program_id(3)
     block_rows, d = q_ref.shape
     length = lengths_ref[b]
@@ -154,7 +161,7 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, l
     if k_ref.shape[0] >= block_k:  # a cache shorter than a block has no whole block (and can't trace one)
         carry = lax.fori_loop(0, full_steps, functools.partial(prefix_block, masked=False), carry)
     carry = lax.fori_loop(full_steps, full_steps + tail_steps, functools.partial(prefix_block, masked=True), carry)
-    acc, m, l = lax.fori_loop(0, (1 - is_prefix) * num_words, tree_block, carry)
+    acc, m, l = lax.fori_loop(0, (split == tree_split).astype(jnp.int32) * num_words, tree_block, carry)
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
     # m and l are in base 2: the natural-log lse is ln(2) * (m + log2 l)
     lse_ref[...] = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * math.log(2))
@@ -187,19 +194,20 @@ def tree_attention_splits(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths
                           *, num_nodes: int, block_rows: int, tuning: TreeAttentionTuning,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The pallas_call alone, on `rows_layout`'s inputs: per-split normalised outputs
-    (B, Hkv, splits + 1, R, D) and log-sum-exps (B, Hkv, splits + 1, R), both fp32."""
+    (B, Hkv, P, R, D) and log-sum-exps (B, Hkv, P, R), both fp32, P = `tuning.num_partials`."""
     b, hkv, rows_pad, d = q_rows.shape
     s = k.shape[1]
     row_blocks = rows_pad // block_rows
     num_words = words.shape[-1]
     splits = tuning.splits_for(s, b * hkv * row_blocks)
     split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
+    partials = tuning.num_partials(splits)
     kernel = functools.partial(_tree_attention_kernel, num_nodes=num_nodes, num_words=num_words,
-                               prefix_splits=splits, split_rows=split_rows, block_k=tuning.block_k,
-                               scale=math.log2(math.e) / math.sqrt(d))
+                               prefix_splits=splits, tree_split=partials - 1, split_rows=split_rows,
+                               block_k=tuning.block_k, scale=math.log2(math.e) / math.sqrt(d))
     return pl.pallas_call(
         kernel,
-        grid=(b, hkv, row_blocks, splits + 1),
+        grid=(b, hkv, row_blocks, partials),
         in_specs=[
             pl.BlockSpec((b,), lambda i, j, r, sp: (0,)),
             pl.BlockSpec((None, None, block_rows, d), lambda i, j, r, sp: (i, j, r, 0)),
@@ -211,8 +219,8 @@ def tree_attention_splits(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths
             pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, r, sp: (i, j, sp, r, 0)),
             pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits + 1, rows_pad, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits + 1, rows_pad), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, partials, rows_pad, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, partials, rows_pad), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="tree_attention",

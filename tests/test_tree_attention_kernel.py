@@ -35,14 +35,16 @@ CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kind
 ]
 
 
+@pytest.mark.parametrize("tree_in_last_split", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference(case, dtype):
+def test_kernel_matches_reference(case, dtype, tree_in_last_split):
     rng = np.random.default_rng(len(case[6]) * 7 + case[1])
     q, k, v, lengths, words = make_inputs(rng, *case, dtype)
     ref = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
     got = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret",
-                         tuning=TreeAttentionTuning(block_k=16, prefix_splits=3)).astype(jnp.float32)
+                         tuning=TreeAttentionTuning(block_k=16, prefix_splits=3,
+                                                    tree_in_last_split=tree_in_last_split)).astype(jnp.float32)
     assert not np.isnan(np.asarray(got)).any()
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -52,7 +54,9 @@ def test_default_splitting_and_single_split_agree():
     q, k, v, lengths, words = make_inputs(rng, 2, 9, 4, 2, 64, 2100, [2000, 700], ["random"], jnp.float32)
     ref = tree_attention_reference(q, k, v, lengths, words)
     for tuning in (TreeAttentionTuning(), TreeAttentionTuning(prefix_splits=1, block_k=128),
-                   TreeAttentionTuning(min_blocks_per_split=1, block_k=32)):  # 64 one-block splits
+                   TreeAttentionTuning(min_blocks_per_split=1, block_k=32),  # 64 one-block splits
+                   TreeAttentionTuning(tree_in_last_split=True),
+                   TreeAttentionTuning(tree_in_last_split=True, prefix_splits=1, block_k=128)):
         got = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret", tuning=tuning)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
@@ -101,6 +105,7 @@ LOWERING_SHAPES = [  # batch, N, heads, kv heads, head dim, cache rows, dtype, t
     (8, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(block_rows=128, block_k=128, num_warps=8)),
     (2, 64, 9, 3, 64, 1088, jnp.bfloat16, TreeAttentionTuning()),
     (3, 7, 4, 4, 64, 100, jnp.float32, TreeAttentionTuning(block_k=32)),
+    (1, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(tree_in_last_split=True)),
 ]
 
 
