@@ -186,6 +186,8 @@ def tunings(*specs):
 
 
 M1, M2, TREE_LAST = {"min_blocks_per_split": 1}, {"min_blocks_per_split": 2}, {"tree_in_last_split": True}
+LOW_PARTIALS = {"low_precision_partials": True}
+BOTH = {**TREE_LAST, **LOW_PARTIALS}
 
 
 # Per class: the shapes it is swept on (the target, and the embedded model's verify at B=256 or
@@ -195,12 +197,13 @@ SWEEP = {
     "tree": ([("qwen3-8b", 1, 4096, 256), ("smollm2-135m", 1, 1024, 256)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 2, 132), (64, 64, 4, 3, 66), (64, 64, 4, 3, 264), (64, 128, 4, 3, 132),
         (64, 32, 4, 3, 132), (128, 64, 4, 3, 132), (128, 64, 8, 3, 132), (128, 128, 8, 3, 132),
-        (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 264, TREE_LAST), (64, 64, 4, 3, 66, TREE_LAST))),
+        (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 264, TREE_LAST), (64, 64, 4, 3, 66, TREE_LAST),
+        (64, 64, 4, 3, 132, LOW_PARTIALS), (64, 64, 4, 3, 132, BOTH), (64, 64, 4, 3, 264, BOTH))),
     "decode": ([("qwen3-8b", 1, 16384, 16), ("smollm2-135m", 1, 1024, 1)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 2, 264), (64, 64, 4, 3, 264), (64, 64, 4, 3, 128), (64, 32, 4, 3, 264),
         (64, 32, 4, 2, 264), (64, 64, 4, 3, 132, M1), (64, 64, 4, 3, 264, M1), (64, 64, 4, 3, 264, M2),
         (64, 32, 4, 3, 264, M2), (64, 64, 4, 2, 264, M1), (64, 64, 4, 3, 132, TREE_LAST),
-        (64, 64, 4, 3, 264, TREE_LAST))),
+        (64, 64, 4, 3, 264, TREE_LAST), (64, 64, 4, 3, 132, LOW_PARTIALS), (64, 64, 4, 3, 132, BOTH))),
 }
 
 
@@ -217,9 +220,12 @@ def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
             heads, kv_heads, d = HEAD_SHAPES[shape_name]
             q, k, v, lengths, anc = inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype)
             words = pack_tree_mask(anc)
+            want = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
             for i, tuning in enumerate(candidates):
                 fn = functools.partial(tree_attention, implementation=args.kernel_impl, tuning=tuning)
-                base = dict(shape=shape_name, batch=batch, L=prefix, N=n, call_class=cls, tuning=tuning_name(tuning))
+                error = float(jnp.max(jnp.abs(fn(q, k, v, lengths, words).astype(jnp.float32) - want)))
+                base = dict(shape=shape_name, batch=batch, L=prefix, N=n, call_class=cls, tuning=tuning_name(tuning),
+                            max_abs_error=error)  # some options round differently: their accuracy is part of the row
                 row = measure(payload["sweep"], base, fn, q, (k, v, lengths, words), args.iters, None, None,
                               args.out, payload)
                 log_times[i] += np.log(max(row.get("gpu_busy_us", row.get("us", np.inf)), 1e-3))
@@ -232,7 +238,7 @@ def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
 def tuning_name(t: TreeAttentionTuning) -> str:
     return (f"rows{t.block_rows}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}_p{t.target_programs}"
             + (f"_m{t.min_blocks_per_split}" if t.min_blocks_per_split != 4 else "")
-            + ("_treelast" if t.tree_in_last_split else ""))
+            + ("_treelast" if t.tree_in_last_split else "") + ("_lowpartials" if t.low_precision_partials else ""))
 
 
 def main():
@@ -281,7 +287,7 @@ def main():
                 measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload,
                         also_while_loop=target is not None and name in ("pallas", "one_op_floor"))
     print_table(payload["sweep"], ["shape", "batch", "L", "N", "call_class", "tuning", "us", "gpu_busy_us",
-                                   "kernel_us", "error"])
+                                   "kernel_us", "max_abs_error", "error"])
     print_table(payload["attention"], ["shape", "batch", "L", "N", "path", "us", "gpu_busy_us", "kernel_us",
                                        "us_while_loop", "target_us", "bandwidth_frac", "flops_frac", "error"])
     write_json_atomic(args.out, payload)

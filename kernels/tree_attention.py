@@ -85,6 +85,8 @@ class TreeAttentionTuning:
     min_blocks_per_split: int = 4  # 1 and 2 swept: shorter kernels, but the larger merge costs more
     tree_in_last_split: bool = False  # the last prefix split's programs also take the tree nodes: one
     # partial result fewer to write and merge, no programs for the tree alone (to be measured)
+    low_precision_partials: bool = False  # partial outputs in the inputs' dtype (bf16: half the merge's
+    # traffic, one more rounding of each partial; to be measured)
 
     def num_partials(self, splits: int) -> int:
         return splits if self.tree_in_last_split else splits + 1
@@ -194,7 +196,8 @@ def tree_attention_splits(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths
                           *, num_nodes: int, block_rows: int, tuning: TreeAttentionTuning,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The pallas_call alone, on `rows_layout`'s inputs: per-split normalised outputs
-    (B, Hkv, P, R, D) and log-sum-exps (B, Hkv, P, R), both fp32, P = `tuning.num_partials`."""
+    (B, Hkv, P, R, D) (fp32, or q's dtype with `low_precision_partials`) and log-sum-exps
+    (B, Hkv, P, R) fp32, P = `tuning.num_partials`."""
     b, hkv, rows_pad, d = q_rows.shape
     s = k.shape[1]
     row_blocks = rows_pad // block_rows
@@ -219,7 +222,8 @@ def tree_attention_splits(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths
             pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, r, sp: (i, j, sp, r, 0)),
             pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, partials, rows_pad, d), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, partials, rows_pad, d),
+                                        q_rows.dtype if tuning.low_precision_partials else jnp.float32),
                    jax.ShapeDtypeStruct((b, hkv, partials, rows_pad), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
@@ -242,7 +246,8 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
                                      tuning=tuning, interpret=interpret)
     # merge the splits: weights exp(lse_s - lse_total); empty splits have lse = -inf
     total = jax.nn.logsumexp(lse, axis=2, keepdims=True)
-    merged = jnp.sum(out * jnp.exp(lse - total)[..., None], axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
+    weights = jnp.exp(lse - total)[..., None]
+    merged = jnp.sum(out.astype(jnp.float32) * weights, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
 
 

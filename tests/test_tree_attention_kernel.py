@@ -35,16 +35,19 @@ CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kind
 ]
 
 
-@pytest.mark.parametrize("tree_in_last_split", [False, True])
+VARIANTS = [{}, {"tree_in_last_split": True}, {"low_precision_partials": True}]  # tuning options that change
+# what the kernel computes where, not only how fast
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v) or "default")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference(case, dtype, tree_in_last_split):
+def test_kernel_matches_reference(case, dtype, variant):
     rng = np.random.default_rng(len(case[6]) * 7 + case[1])
     q, k, v, lengths, words = make_inputs(rng, *case, dtype)
     ref = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
     got = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret",
-                         tuning=TreeAttentionTuning(block_k=16, prefix_splits=3,
-                                                    tree_in_last_split=tree_in_last_split)).astype(jnp.float32)
+                         tuning=TreeAttentionTuning(block_k=16, prefix_splits=3, **variant)).astype(jnp.float32)
     assert not np.isnan(np.asarray(got)).any()
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -105,7 +108,8 @@ LOWERING_SHAPES = [  # batch, N, heads, kv heads, head dim, cache rows, dtype, t
     (8, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(block_rows=128, block_k=128, num_warps=8)),
     (2, 64, 9, 3, 64, 1088, jnp.bfloat16, TreeAttentionTuning()),
     (3, 7, 4, 4, 64, 100, jnp.float32, TreeAttentionTuning(block_k=32)),
-    (1, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(tree_in_last_split=True)),
+    (1, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(tree_in_last_split=True,
+                                                                 low_precision_partials=True)),
 ]
 
 
