@@ -4,7 +4,7 @@
 # Writes $OUT/tree_attention_h200_{qwen3_8b,smollm2_135m}.json (after every row, so a cut run keeps
 # what it measured) and their logs.
 #
-#   bash benchmarks/h200_kernel_bench.sh SECONDS   (repo root, after the model is staged)
+#   bash benchmarks/h200_kernel_bench.sh SECONDS   (repo root; needs no staged model or wheels)
 set -u
 . benchmarks/h200_env.sh
 out=${OUT:-/tmp}

@@ -174,8 +174,9 @@ def check_kernel(kernel_impl, tuning, dtype):
 
 
 def call_class(heads: int, kv_heads: int, n: int) -> str:
-    """The kernel's two tuning classes: at most one 64-row block of query rows per KV head ("decode",
-    bandwidth-bound) or more ("tree", compute-bound); kernels/tree_attention.py `default_tuning`."""
+    """Two classes of call: at most one 64-row block of query rows per KV head ("decode",
+    bandwidth-bound) or more ("tree", compute-bound). The bench picks a tuning per class; the kernel
+    has one default for both, which the sweeps so far kept."""
     return "decode" if heads // kv_heads * n <= 64 else "tree"
 
 

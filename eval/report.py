@@ -214,8 +214,8 @@ def header(paths: list[str], metas: list[dict], groups: list[dict]) -> list[str]
 
 
 def lossless_lines(groups: list[dict]) -> list[str]:
-    fp32 = [g for g in groups if g["dtype"] == ["float32"] and g["mismatches"]]
-    exact = sum(g["mismatches"] for g in fp32 if g["matmul_precision"] == ["highest"])
+    fp32 = [g for g in groups if g["precision"].split("/")[0] == "float32" and g["mismatches"]]
+    exact = sum(g["mismatches"] for g in fp32 if g["precision"] == "float32/highest")
     out = [LOSSLESS_NOTE, ""]
     for prec in sorted({g["precision"] for g in groups}):
         of = [g for g in groups if g["precision"] == prec]

@@ -169,7 +169,8 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, l
     lse_ref[...] = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * math.log(2))
 
 
-def _next_power_of_two(x: int) -> int:
+def next_power_of_two(x: int) -> int:
+    """Triton block dimensions must be powers of two."""
     return 1 << max(0, x - 1).bit_length()
 
 
@@ -188,7 +189,7 @@ def rows_layout(q: jax.Array, tree_words: jax.Array, num_kv_heads: int, block_ro
 
 
 def block_rows_for(tuning: TreeAttentionTuning, rows: int) -> int:
-    return max(16, min(tuning.block_rows, _next_power_of_two(rows)))
+    return max(16, min(tuning.block_rows, next_power_of_two(rows)))
 
 
 @functools.partial(jax.jit, static_argnames=("num_nodes", "block_rows", "tuning", "interpret"))

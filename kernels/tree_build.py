@@ -21,13 +21,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jetspec_jax.kernels.tree_attention import next_power_of_two
 from jetspec_jax.tree import Tree, ancestor_mask, build_tree
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
-
-
-def _next_power_of_two(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def _grow_kernel(logps_ref, scores_ref, depths_ref, parents_ref, ranks_ref, valid_ref, *, budget: int, width: int,
@@ -82,7 +79,7 @@ def build_trees_pallas(root_tokens: jax.Array, cand_tokens: jax.Array, cand_logp
     vmap(build_tree). One warp by default: every pop is a chain of block-wide reductions, which
     stay inside a warp."""
     batch, max_depth, width = cand_tokens.shape
-    size, d_pad, w_pad = _next_power_of_two(budget), _next_power_of_two(max_depth), _next_power_of_two(width)
+    size, d_pad, w_pad = next_power_of_two(budget), next_power_of_two(max_depth), next_power_of_two(width)
     logps = jnp.nan_to_num(cand_logps.astype(jnp.float32), nan=-jnp.inf)
     logps = jnp.pad(logps, ((0, 0), (0, d_pad - max_depth), (0, w_pad - width)), constant_values=-jnp.inf)
     kernel = functools.partial(_grow_kernel, budget=budget, width=width, max_depth=max_depth,

@@ -258,7 +258,7 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
         state, metrics = trainer.train_step(state, next(batches))
         steps_since_log += 1
         stop_early = ((cfg.run.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.run.max_minutes)
-                       or 0 < cfg.run.max_steps <= step)
+                      or 0 < cfg.run.max_steps <= step)
         last = step == cfg.optim.total_steps or stop_early
         if step % cfg.run.log_every == 0 or last or on_step is not None:
             loss = float(metrics["loss"])  # waits for the step: the rate below is device-bound
