@@ -47,8 +47,8 @@ from common import (chained_calls, device_seconds, environment, gpu_microseconds
                     write_json_atomic)
 
 from jetspec_jax.kernels.tree_attention import (  # noqa: E402
-    TreeAttentionTuning, ancestors_from_parents, block_rows_for, pack_tree_mask, random_tree_parents, rows_layout,
-    tree_attention, tree_attention_reference, tree_attention_splits)
+    TreeAttentionTuning, ancestors_from_parents, block_rows_for, head_blocked, kernel_inputs, pack_tree_mask,
+    random_tree_parents, tree_attention, tree_attention_reference, tree_attention_splits)
 from jetspec_jax.models import qwen3  # noqa: E402
 
 BANDWIDTH, MATMUL_FLOPS = 4.3e12, 790e12
@@ -82,16 +82,17 @@ def mosaic_fa3():
 
 def kernel_only(q, k, v, lengths, anc, kernel_impl, tuning):
     """The pallas_call without the layout and merge around it (where the time goes). Its chain state
-    is the kernel's q rows; one slice-and-cast op per call links the chain."""
+    is the kernel's q input; one slice-and-cast op per call links the chain."""
     b, n, h, _ = q.shape
     block_rows = block_rows_for(tuning, h // k.shape[2] * n)
-    q_rows, words = rows_layout(q, pack_tree_mask(anc), k.shape[2], block_rows)
+    q_in, words = kernel_inputs(q, pack_tree_mask(anc), k.shape[2], block_rows)
+    partial_axis = 1 if head_blocked(n, block_rows) else 2
 
-    def fn(q_rows, k, v, lengths, words):
-        out, _ = tree_attention_splits(q_rows, k, v, lengths, words, num_nodes=n, block_rows=block_rows,
+    def fn(q_in, k, v, lengths, words):
+        out, _ = tree_attention_splits(q_in, k, v, lengths, words, num_nodes=n, num_heads=h, block_rows=block_rows,
                                        tuning=tuning, interpret=kernel_impl == "pallas_interpret")
-        return out[:, :, 0].astype(q_rows.dtype)
-    return fn, (k, v, lengths, words), q_rows
+        return jnp.take(out, 0, axis=partial_axis).astype(q_in.dtype)
+    return fn, (k, v, lengths, words), q_in
 
 
 def load_baseline_kernel(path: str):
@@ -197,9 +198,12 @@ BOTH = {**TREE_LAST, **LOW_PARTIALS}
 SWEEP = {
     "tree": ([("qwen3-8b", 1, 4096, 256), ("smollm2-135m", 1, 1024, 256)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 2, 132), (64, 64, 4, 3, 66), (64, 64, 4, 3, 264), (64, 128, 4, 3, 132),
-        (64, 32, 4, 3, 132), (128, 64, 4, 3, 132), (128, 64, 8, 3, 132), (128, 128, 8, 3, 132),
         (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 264, TREE_LAST), (64, 64, 4, 3, 66, TREE_LAST),
-        (64, 64, 4, 3, 132, LOW_PARTIALS), (64, 64, 4, 3, 132, BOTH), (64, 64, 4, 3, 264, BOTH))),
+        (64, 64, 4, 3, 132, LOW_PARTIALS), (64, 64, 4, 3, 132, BOTH), (64, 64, 4, 3, 264, BOTH),
+        # two splits of 128-row programs fill one wave with no tree-only programs; 2 stages (less
+        # shared memory) may let two programs share a multiprocessor
+        (128, 64, 8, 3, 66, TREE_LAST), (128, 64, 8, 3, 66, BOTH), (128, 64, 8, 2, 66, TREE_LAST),
+        (128, 128, 8, 2, 66, TREE_LAST), (64, 64, 4, 2, 264), (64, 64, 4, 2, 264, TREE_LAST), (64, 64, 8, 3, 132))),
     "decode": ([("qwen3-8b", 1, 16384, 16), ("smollm2-135m", 1, 1024, 1)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 2, 264), (64, 64, 4, 3, 264), (64, 64, 4, 3, 128), (64, 32, 4, 3, 264),
         (64, 32, 4, 2, 264), (64, 64, 4, 3, 132, M1), (64, 64, 4, 3, 264, M1), (64, 64, 4, 3, 264, M2),

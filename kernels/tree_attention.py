@@ -175,9 +175,9 @@ def next_power_of_two(x: int) -> int:
 
 
 def rows_layout(q: jax.Array, tree_words: jax.Array, num_kv_heads: int, block_rows: int):
-    """q (B, N, H, D) -> (B, Hkv, R, D) kernel rows and their tree words (B, R, W), R padded to a
-    multiple of block_rows. Row g * N + i of KV head j is query head j * group + g at node i; padded
-    rows see the root, so every row has a finite softmax (they are cut off after the merge)."""
+    """Packed layout: q (B, N, H, D) -> (B, Hkv, R, D) kernel rows and their tree words (B, R, W), R
+    padded to a multiple of block_rows. Row g * N + i of KV head j is query head j * group + g at node
+    i; padded rows see the root, so every row has a finite softmax (they are cut off after the merge)."""
     b, n, h, d = q.shape
     group = h // num_kv_heads
     rows = group * n
@@ -192,44 +192,78 @@ def block_rows_for(tuning: TreeAttentionTuning, rows: int) -> int:
     return max(16, min(tuning.block_rows, next_power_of_two(rows)))
 
 
-@functools.partial(jax.jit, static_argnames=("num_nodes", "block_rows", "tuning", "interpret"))
-def tree_attention_splits(q_rows: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, words: jax.Array,
-                          *, num_nodes: int, block_rows: int, tuning: TreeAttentionTuning,
+def head_blocked(num_nodes: int, block_rows: int) -> bool:
+    """Whether each row block is one query head's run of block_rows nodes, read and written in place
+    in the (B, N, H, D) layout (no copies around the kernel): when block_rows divides N. Otherwise
+    (small or odd trees) the rows are packed by `rows_layout`, a block holding (head, node) pairs of
+    a GQA group so the group shares its K/V loads, at the price of a layout copy each way."""
+    return num_nodes % block_rows == 0
+
+
+def kernel_inputs(q: jax.Array, tree_words: jax.Array, num_kv_heads: int, block_rows: int):
+    """The kernel's (q, words): unchanged when head-blocked, else `rows_layout`'s."""
+    if head_blocked(q.shape[1], block_rows):
+        return q, tree_words
+    return rows_layout(q, tree_words, num_kv_heads, block_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("num_nodes", "num_heads", "block_rows", "tuning", "interpret"))
+def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, words: jax.Array,
+                          *, num_nodes: int, num_heads: int, block_rows: int, tuning: TreeAttentionTuning,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The pallas_call alone, on `rows_layout`'s inputs: per-split normalised outputs
-    (B, Hkv, P, R, D) (fp32, or q's dtype with `low_precision_partials`) and log-sum-exps
-    (B, Hkv, P, R) fp32, P = `tuning.num_partials`."""
-    b, hkv, rows_pad, d = q_rows.shape
-    s = k.shape[1]
-    row_blocks = rows_pad // block_rows
+    """The pallas_call alone, on `kernel_inputs`' (q, words): per-split normalised outputs and their
+    log-sum-exps (fp32), P = `tuning.num_partials`. Head-blocked: (B, P, N, H, D) and (B, P, H, N);
+    packed: (B, Hkv, P, R, D) and (B, Hkv, P, R). With one partial the output is final, in q's dtype;
+    with several, fp32 (q's dtype with `low_precision_partials`)."""
+    b, s, hkv, d = k.shape
+    group = num_heads // hkv
+    blocked = head_blocked(num_nodes, block_rows)
+    node_blocks = num_nodes // block_rows
+    row_blocks = group * node_blocks if blocked else q_in.shape[2] // block_rows
     num_words = words.shape[-1]
     splits = tuning.splits_for(s, b * hkv * row_blocks)
     split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
     partials = tuning.num_partials(splits)
+    out_dtype = q_in.dtype if partials == 1 or tuning.low_precision_partials else jnp.float32
     kernel = functools.partial(_tree_attention_kernel, num_nodes=num_nodes, num_words=num_words,
                                prefix_splits=splits, tree_split=partials - 1, split_rows=split_rows,
                                block_k=tuning.block_k, scale=math.log2(math.e) / math.sqrt(d))
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0))
+    if blocked:  # row block r of KV head j: query head j * group + r // node_blocks, nodes of block r % node_blocks
+        def head(j, r):
+            return j * group + r // node_blocks
+        q_spec = pl.BlockSpec((None, block_rows, None, d), lambda i, j, r, sp: (i, r % node_blocks, head(j, r), 0))
+        words_spec = pl.BlockSpec((None, block_rows, num_words), lambda i, j, r, sp: (i, r % node_blocks, 0))
+        out_specs = [pl.BlockSpec((None, None, block_rows, None, d),
+                                  lambda i, j, r, sp: (i, sp, r % node_blocks, head(j, r), 0)),
+                     pl.BlockSpec((None, None, None, block_rows),
+                                  lambda i, j, r, sp: (i, sp, head(j, r), r % node_blocks))]
+        out_shapes = [(b, partials, num_nodes, num_heads, d), (b, partials, num_heads, num_nodes)]
+    else:
+        q_spec = pl.BlockSpec((None, None, block_rows, d), lambda i, j, r, sp: (i, j, r, 0))
+        words_spec = pl.BlockSpec((None, block_rows, num_words), lambda i, j, r, sp: (i, r, 0))
+        out_specs = [pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, r, sp: (i, j, sp, r, 0)),
+                     pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r))]
+        out_shapes = [(b, hkv, partials, q_in.shape[2], d), (b, hkv, partials, q_in.shape[2])]
     return pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, partials),
-        in_specs=[
-            pl.BlockSpec((b,), lambda i, j, r, sp: (0,)),
-            pl.BlockSpec((None, None, block_rows, d), lambda i, j, r, sp: (i, j, r, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0)),
-            pl.BlockSpec((None, block_rows, num_words), lambda i, j, r, sp: (i, r, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, r, sp: (i, j, sp, r, 0)),
-            pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, partials, rows_pad, d),
-                                        q_rows.dtype if tuning.low_precision_partials else jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, partials, rows_pad), jnp.float32)],
+        in_specs=[pl.BlockSpec((b,), lambda i, j, r, sp: (0,)), q_spec, kv_spec, kv_spec, words_spec],
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(out_shapes[0], out_dtype), jax.ShapeDtypeStruct(out_shapes[1], jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths.astype(jnp.int32), q_rows, k, v, words)
+    )(lengths.astype(jnp.int32), q_in, k, v, words)
+
+
+def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
+    """Sum of the partials along `axis`, each weighted by exp(lse_p - lse_total) (lse has no D axis;
+    empty partials have lse = -inf and weight 0), in fp32."""
+    if out.shape[axis] == 1:
+        return jnp.squeeze(out, axis).astype(jnp.float32)
+    weights = jnp.exp(lse - jax.nn.logsumexp(lse, axis=axis, keepdims=True))
+    return jnp.sum(out.astype(jnp.float32) * weights[..., None], axis=axis)
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
@@ -242,13 +276,14 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
     hkv = k.shape[2]
     group = h // hkv
     block_rows = block_rows_for(tuning, group * n)
-    q_rows, words = rows_layout(q, tree_words, hkv, block_rows)
-    out, lse = tree_attention_splits(q_rows, k, v, lengths, words, num_nodes=n, block_rows=block_rows,
+    q_in, words = kernel_inputs(q, tree_words, hkv, block_rows)
+    out, lse = tree_attention_splits(q_in, k, v, lengths, words, num_nodes=n, num_heads=h, block_rows=block_rows,
                                      tuning=tuning, interpret=interpret)
-    # merge the splits: weights exp(lse_s - lse_total); empty splits have lse = -inf
-    total = jax.nn.logsumexp(lse, axis=2, keepdims=True)
-    weights = jnp.exp(lse - total)[..., None]
-    merged = jnp.sum(out.astype(jnp.float32) * weights, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
+    if head_blocked(n, block_rows):
+        if out.shape[1] == 1:  # already final: no op around the kernel
+            return out[:, 0]
+        return merge_partials(out, jnp.swapaxes(lse, 2, 3), axis=1).astype(q.dtype)
+    merged = merge_partials(out, lse, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
 
 

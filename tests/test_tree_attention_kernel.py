@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax.kernels.tree_attention import (TreeAttentionTuning, ancestors_from_parents, pack_tree_mask,
-                                                random_tree_parents, tree_attention, tree_attention_reference,
-                                                unpack_tree_mask)
+from jetspec_jax.kernels.tree_attention import (TreeAttentionTuning, ancestors_from_parents, block_rows_for,
+                                                head_blocked, pack_tree_mask, random_tree_parents, tree_attention,
+                                                tree_attention_reference, unpack_tree_mask)
 from jetspec_jax.models import qwen3
 from triton_lowering import lowered_triton_modules
 
@@ -32,6 +32,8 @@ CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kind
     (2, 40, 8, 1, 128, 130, [1, 77], ["deep", "wide"]),
     (3, 7, 9, 3, 64, 48, [0, 41, 5], ["random", "chain", "star"]),
     (2, 100, 2, 2, 64, 160, [50, 33], ["wide", "chain"]),  # rows 0-63 see no node >= 64: chunks skipped
+    (2, 64, 8, 2, 64, 200, [50, 120], ["wide", "deep"]),  # head-blocked: a block is one head's 64 nodes
+    (1, 128, 4, 2, 64, 300, [150], ["random"]),  # head-blocked, two node blocks per head
 ]
 
 
@@ -61,6 +63,22 @@ def test_default_splitting_and_single_split_agree():
                    TreeAttentionTuning(tree_in_last_split=True),
                    TreeAttentionTuning(tree_in_last_split=True, prefix_splits=1, block_k=128)):
         got = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret", tuning=tuning)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_head_blocked_layout_agrees_for_every_partial_count():
+    """N a multiple of the row block: q and the output stay in (B, N, H, D), one partial is written
+    final in q's dtype, several are merged."""
+    rng = np.random.default_rng(11)
+    q, k, v, lengths, words = make_inputs(rng, 2, 64, 8, 2, 64, 1100, [1000, 300], ["random", "wide"],
+                                          jnp.float32)
+    assert head_blocked(64, block_rows_for(TreeAttentionTuning(), 4 * 64))
+    ref = tree_attention_reference(q, k, v, lengths, words)
+    for tuning in (TreeAttentionTuning(), TreeAttentionTuning(tree_in_last_split=True, prefix_splits=1),
+                   TreeAttentionTuning(tree_in_last_split=True, prefix_splits=4, block_k=32),
+                   TreeAttentionTuning(low_precision_partials=True, block_k=32)):
+        got = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret", tuning=tuning)
+        assert got.dtype == q.dtype
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
 
