@@ -4,6 +4,7 @@ come from jetspec_jax.provenance)."""
 
 from __future__ import annotations
 
+import collections
 import glob
 import math
 import os
@@ -94,7 +95,8 @@ def device_seconds(many, one, iters: int) -> float:
 def gpu_microseconds(many, iters: int, kernel_name: str = "tree_attention") -> dict[str, float] | None:
     """The GPU's own clock, from a profile of one chain: `gpu_busy_us`, the summed durations of every
     kernel the chain ran, per call, and `kernel_us`, the median duration of the launches of the Pallas
-    kernel named `kernel_name` (where the path has one). None where the profile has no GPU plane."""
+    kernel named `kernel_name` (where the path has one), and `other_kernels_us`, the four other kernels
+    taking the most time per call. None where the profile has no GPU plane."""
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.block_until_ready(many())
         with jax.profiler.trace(trace_dir):
@@ -111,4 +113,9 @@ def gpu_microseconds(many, iters: int, kernel_name: str = "tree_attention") -> d
     kernel = sorted(d for name, d in events if kernel_name in name)
     if kernel:
         out["kernel_us"] = kernel[len(kernel) // 2] / 1e3
+    others = collections.Counter()
+    for name, d in events:
+        if kernel_name not in name:
+            others[name] += d / 1e3 / iters
+    out["other_kernels_us"] = dict(others.most_common(4))  # what else a call runs (layout copies, merges)
     return out

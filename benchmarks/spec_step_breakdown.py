@@ -37,6 +37,7 @@ from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
 from jetspec_jax.speculative import ATTENTION_IMPLS, HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
+from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
 from jetspec_jax.tree import top_candidates  # noqa: E402
@@ -88,6 +89,8 @@ def main():
     p.add_argument("--tree-builders", nargs="+", default=["auto"], choices=TREE_IMPLS,
                    help="the first builds the trees of every row and the whole step; the others' build "
                         "times are added as tree_ms_<builder>")
+    p.add_argument("--compactions", nargs="+", default=["auto"], choices=COMPACT_IMPLS,
+                   help="cache compaction; as --tree-builders (others: accept_commit_ms_<compaction>)")
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--contexts", type=int, nargs="+", default=[512], help="committed tokens before the step")
@@ -143,8 +146,8 @@ def main():
                 write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
     print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_builder", "tree_ms"]
                 + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
-                + ["verify_ms", "accept_commit_ms", "sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar",
-                   "c_percent"])
+                + ["verify_ms", "accept_commit_ms"] + [f"accept_commit_ms_{c}" for c in args.compactions[1:]]
+                + ["sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])
     write_json_atomic(args.out, payload)
 
 
@@ -196,20 +199,26 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
     vlogits, node_taps, verified_cache = jax.jit(
         lambda p, t, c: verify_tree(p, t, c, cfg, taps_wanted, impl))(st.params, tree, st.cache)
 
-    def accept_body(i, state, tree, vlogits, node_taps, head):
-        cache, ctx = state
-        result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), st.depth)
-        keep = jnp.zeros_like(result.accept_len)  # commit nothing so every iteration sees one state
-        path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
-        return compact_cache(cache, result.path, keep), st.drafter.observe(head, ctx, path_taps, keep)
+    accept_ms = {}
+    for compaction in args.compactions:
+        def accept_body(i, state, tree, vlogits, node_taps, head, compaction=compaction):
+            cache, ctx = state
+            result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), st.depth)
+            keep = jnp.zeros_like(result.accept_len)  # commit nothing so every iteration sees one state
+            path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
+            return (compact_cache(cache, result.path, keep, compaction),
+                    st.drafter.observe(head, ctx, path_taps, keep))
 
-    accept_ms = per_iteration_ms(accept_body, (verified_cache, st.ctx), st.iters, tree, vlogits, node_taps, st.head)
+        accept_ms[compaction] = per_iteration_ms(accept_body, (verified_cache, st.ctx), st.iters, tree, vlogits,
+                                                 node_taps, st.head)
     row = dict(context=st.prompt.shape[1], attention=impl, budget=budget, width=args.width,
                tree_builder=args.tree_builders[0], tree_ms=tree_ms[args.tree_builders[0]], verify_ms=verify_ms,
-               accept_commit_ms=accept_ms)
+               compaction=args.compactions[0], accept_commit_ms=accept_ms[args.compactions[0]])
     row.update({f"tree_ms_{builder}": ms for builder, ms in tree_ms.items() if builder != args.tree_builders[0]})
+    row.update({f"accept_commit_ms_{c}": ms for c, ms in accept_ms.items() if c != args.compactions[0]})
     if args.target == "embedded":
-        spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0])
+        spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
+                          compact_impl=args.compactions[0])
 
         def full(n):
             gen = GenerationConfig(max_new_tokens=n)

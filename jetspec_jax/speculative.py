@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jetspec_jax.autoregressive import GenerationConfig, is_stop_token, prefill
+from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS
 from jetspec_jax.kernels.tree_build import build_trees
 from jetspec_jax.kv_cache import KVCache, write_block
@@ -40,6 +41,7 @@ class SpecConfig:
     max_depth: int | None = None  # None: as deep as the drafter predicts
     attention_impl: str = "auto"  # verify attention (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
     tree_impl: str = "auto"  # tree builder (kernels.tree_build.IMPLEMENTATIONS); auto = Pallas kernel on GPU
+    compact_impl: str = "auto"  # cache compaction (kernels.cache_compact.IMPLEMENTATIONS); auto = Pallas on GPU
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -48,6 +50,8 @@ class SpecConfig:
             raise ValueError(f"attention_impl {self.attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
         if self.tree_impl not in TREE_IMPLS:
             raise ValueError(f"tree_impl {self.tree_impl!r} is not one of {', '.join(TREE_IMPLS)}")
+        if self.compact_impl not in COMPACT_IMPLS:
+            raise ValueError(f"compact_impl {self.compact_impl!r} is not one of {', '.join(COMPACT_IMPLS)}")
         validate_tree_settings(self.budget, self.width, self.max_depth if self.max_depth is not None else 1)
 
     def depth(self, drafter_depth: int) -> int:
@@ -154,7 +158,7 @@ def speculative_generate(params: Any, drafter_params: Any, prompt_tokens: jax.Ar
         done = done | hit_eos | (num >= gen.max_new_tokens)
 
         keep = jnp.where(live, result.accept_len + 1, 0)  # root + accepted nodes enter the cache
-        cache = compact_cache(cache, result.path, keep)
+        cache = compact_cache(cache, result.path, keep, spec.compact_impl)
         if taps_wanted:
             path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
             state = drafter.observe(drafter_params, state, path_taps, keep)

@@ -43,9 +43,29 @@ def validate_tree_settings(budget: int, width: int, max_depth: int, depth_limit:
         raise ValueError("invalid tree settings: " + "; ".join(problems))
 
 
-def top_candidates(log_probs: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
-    """log_probs (..., D, V) -> top-W tokens (..., D, W) int32 and their log-probs, best first."""
-    values, tokens = lax.top_k(log_probs, width)
+TOP_K_CHUNK = 512  # vocabulary entries per first-stage row of `top_candidates`
+
+
+def top_candidates(log_probs: jax.Array, width: int, chunk: int | None = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """log_probs (..., D, V) -> top-W tokens (..., D, W) int32 and their log-probs, best first, ties to
+    the lower token id (as lax.top_k).
+
+    A long vocabulary is cut into `chunk`-entry rows, the top W of each row taken, then the top W of
+    those: XLA's GPU top-k gives each row one thread block, so 16 rows of 49k entries kept the H200
+    waiting 67 us a step, while thousands of short rows spread over every multiprocessor. The result
+    is the same: both stages keep ties in index order (chunk-major, then rank), and the -inf padding
+    of the last chunk sits after every real entry."""
+    v = log_probs.shape[-1]
+    if chunk is None or width > chunk or v <= 2 * chunk:
+        values, tokens = lax.top_k(log_probs, width)
+        return tokens.astype(jnp.int32), values.astype(jnp.float32)
+    lead = log_probs.shape[:-1]
+    chunks = -(-v // chunk)
+    padded = jnp.pad(log_probs, [(0, 0)] * len(lead) + [(0, chunks * chunk - v)], constant_values=-jnp.inf)
+    chunk_values, chunk_tokens = lax.top_k(padded.reshape(lead + (chunks, chunk)), width)
+    chunk_tokens = chunk_tokens + (jnp.arange(chunks, dtype=chunk_tokens.dtype) * chunk)[:, None]
+    values, picked = lax.top_k(chunk_values.reshape(lead + (chunks * width,)), width)
+    tokens = jnp.take_along_axis(chunk_tokens.reshape(lead + (chunks * width,)), picked, axis=-1)
     return tokens.astype(jnp.int32), values.astype(jnp.float32)
 
 

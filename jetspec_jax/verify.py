@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.kv_cache import KVCache, gather_rows, write_block
+from jetspec_jax.kernels.cache_compact import compact_rows
+from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import SamplingConfig, filtered_logits
 from jetspec_jax.tree import Tree
@@ -72,10 +73,10 @@ def accept(tree: Tree, choices: jax.Array, max_depth: int) -> Acceptance:
     return Acceptance(path=path, accept_len=accept_len.astype(jnp.int32), bonus=bonus, tokens=tokens)
 
 
-def compact_cache(cache: KVCache, path: jax.Array, keep: jax.Array) -> KVCache:
+def compact_cache(cache: KVCache, path: jax.Array, keep: jax.Array, implementation: str = "auto") -> KVCache:
     """Moves the accepted nodes' keys/values (tree slots cache.lengths + path) to the contiguous
-    slots cache.lengths .. and commits `keep` (B,) of them (root + accepted drafts)."""
-    rows = cache.lengths[:, None] + path
-    new_k = tuple(write_block(k, gather_rows(k, rows), cache.lengths) for k in cache.k)
-    new_v = tuple(write_block(v, gather_rows(v, rows), cache.lengths) for v in cache.v)
-    return KVCache(new_k, new_v, cache.lengths + keep.astype(jnp.int32))
+    slots cache.lengths .. and commits `keep` (B,) of them (root + accepted drafts).
+    implementation: kernels.cache_compact.IMPLEMENTATIONS (auto: one Pallas kernel on GPU)."""
+    layers = len(cache.k)
+    moved = compact_rows(cache.k + cache.v, cache.lengths, path, implementation=implementation)
+    return KVCache(moved[:layers], moved[layers:], cache.lengths + keep.astype(jnp.int32))

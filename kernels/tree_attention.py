@@ -85,8 +85,8 @@ class TreeAttentionTuning:
     min_blocks_per_split: int = 4  # 1 and 2 swept: shorter kernels, but the larger merge costs more
     tree_in_last_split: bool = False  # the last prefix split's programs also take the tree nodes: one
     # partial result fewer to write and merge, no programs for the tree alone (to be measured)
-    low_precision_partials: bool = False  # partial outputs in the inputs' dtype (bf16: half the merge's
-    # traffic, one more rounding of each partial; to be measured)
+    low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
+    # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
 
     def num_partials(self, splits: int) -> int:
         return splits if self.tree_in_last_split else splits + 1

@@ -99,6 +99,23 @@ def test_width_one_is_a_chain_to_the_depth_limit():
     assert np.asarray(tree.parents)[:7].tolist() == [-1, 0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("vocab", [1024, 1500, 49152])
+def test_chunked_top_candidates_equal_one_top_k(vocab):
+    """The two-stage top-k returns exactly lax.top_k's tokens and values, ties (bf16-rounded values,
+    whole chunks of equal values, -inf entries) included."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((2, 15, vocab)).astype(np.float32) * 3
+    logits[0, 0] = 0.0  # one value everywhere: the lowest ids win
+    logits[0, 1, : vocab // 2] = -np.inf  # the best entries all in the later chunks
+    logits[1, 2, 1::2] = -np.inf
+    log_probs = jax.nn.log_softmax(jnp.asarray(logits), axis=-1).astype(jnp.bfloat16).astype(jnp.float32)
+    for width in (1, 7, 10):
+        want_values, want_tokens = jax.lax.top_k(log_probs, width)
+        tokens, values = top_candidates(log_probs, width, chunk=256)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
+        np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
 def test_top_candidates_and_batching():
     log_probs = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (3, 4, 50)), axis=-1)
     tokens, logps = top_candidates(log_probs, 5)

@@ -1,0 +1,77 @@
+"""The Pallas cache-compaction kernel (interpret mode on the CPU) against its jnp reference, inside
+speculative generation, and its CUDA lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jetspec_jax.kernels.cache_compact import compact_rows, compact_rows_pallas
+from triton_lowering import lowered_triton_modules
+
+CASES = [  # buffer shape (B, S, Hkv, D), lengths, path rows (nondecreasing, as accepted paths are)
+    ((1, 40, 3, 64), [5], [[0, 2, 3, 3]]),
+    ((2, 48, 2, 8), [10, 30], [[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 3, 7, 9, 9, 9, 9, 9, 9]]),  # 9 rows: padded to 16
+    # the buffer's last rows: the fourth (padding) row of sequence 2 would fall past its end
+    ((3, 30, 1, 128), [0, 21, 27], [[0, 4, 5], [0, 1, 8], [0, 1, 2]]),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape, lengths, path", CASES)
+def test_kernel_equals_reference(shape, lengths, path, dtype):
+    rng = np.random.default_rng(len(path[0]))
+    buffers = tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(5))
+    lengths, path = jnp.asarray(lengths, jnp.int32), jnp.asarray(path, jnp.int32)
+    want = compact_rows(buffers, lengths, path, implementation="xla")
+    got = compact_rows(buffers, lengths, path, implementation="pallas_interpret")
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_sources_are_read_before_targets_are_written():
+    """Row 2 is both a source (of row 1) and a target (of row 3): an in-place copy that wrote row 2
+    first would move the wrong values into row 1."""
+    buffer = jnp.arange(8, dtype=jnp.float32).reshape(1, 8, 1, 1) * jnp.ones((1, 1, 1, 4))
+    (got,) = compact_rows((buffer,), jnp.asarray([0], jnp.int32), jnp.asarray([[0, 2, 3]], jnp.int32),
+                          implementation="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(got[0, :4, 0, 0]), [0, 2, 3, 3])
+
+
+def test_unknown_implementation_is_named():
+    with pytest.raises(ValueError, match="cache compaction 'triton'"):
+        compact_rows((jnp.zeros((1, 4, 1, 2)),), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                     implementation="triton")
+
+
+def test_speculative_generate_with_the_kernel_equals_ar(tiny_qwen3):
+    from drafters import TargetGreedyDrafter
+
+    from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
+    from jetspec_jax.generate import pad_prompts
+    from jetspec_jax.speculative import SpecConfig, speculative_generate
+
+    target, _ = tiny_qwen3
+    tokens, lengths = pad_prompts([[5, 12, 40], [7, 1, 2, 3, 4]], pad_id=0, bucket=8)
+    gen = GenerationConfig(max_new_tokens=12)
+    want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                           cfg=target.cfg, gen=gen, cache_len=24, attention="xla")
+    spec = SpecConfig("jetspec", budget=8, width=2, attention_impl="xla", compact_impl="pallas_interpret")
+    got = speculative_generate(target.params, None, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                               cfg=target.cfg, drafter=TargetGreedyDrafter(target.cfg, 3), spec=spec, gen=gen,
+                               cache_len=32)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert float(np.asarray(got.target_forwards).max()) < 12  # drafts were accepted, so rows were moved
+
+
+@pytest.mark.parametrize("shape", [(1, 1100, 3, 64, 16), (2, 4400, 8, 128, 9)])
+def test_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
+    b, s, hkv, d, rows = shape
+    args = (tuple(jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16) for _ in range(6)),
+            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, rows), jnp.int32))
+    modules = lowered_triton_modules(monkeypatch, lambda: compact_rows_pallas.trace(*args).lower(
+        lowering_platforms=("cuda",)))
+    for module in modules:
+        assert module.operation.verify()
