@@ -52,3 +52,20 @@ def random_head(target_cfg, key, *, attention="causal", num_layers=1, block_size
     cfg = draft_head.DraftConfig.for_target(target_cfg, num_layers=num_layers, num_taps=2,
                                             block_size=block_size, attention=attention)
     return HeadDrafter(cfg, target_cfg), init_params(draft_head.param_specs(cfg), key, dtype, scale=0.1)
+
+
+def greedy_speculative_and_ar(target, spec, *, max_new_tokens: int, ar_attention: str = "xla"):
+    """(speculative output, AR tokens) for two short prompts with TargetGreedyDrafter(depth 3): the
+    kernels' end-to-end tests compare the two token for token."""
+    from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
+    from jetspec_jax.generate import pad_prompts
+    from jetspec_jax.speculative import speculative_generate
+
+    tokens, lengths = pad_prompts([[5, 12, 40], [7, 1, 2, 3, 4]], pad_id=0, bucket=8)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    ar = generate_tokens(target.params, tokens, lengths, jax.random.key(0), cfg=target.cfg, gen=gen,
+                         cache_len=8 + max_new_tokens + 4, attention=ar_attention)
+    spec_out = speculative_generate(target.params, None, tokens, lengths, jax.random.key(0), cfg=target.cfg,
+                                    drafter=TargetGreedyDrafter(target.cfg, 3), spec=spec, gen=gen, cache_len=32)
+    return spec_out, ar.tokens

@@ -47,22 +47,13 @@ def test_unknown_implementation_is_named():
 
 
 def test_speculative_generate_with_the_kernel_equals_ar(tiny_qwen3):
-    from drafters import TargetGreedyDrafter
+    from drafters import greedy_speculative_and_ar
 
-    from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-    from jetspec_jax.generate import pad_prompts
-    from jetspec_jax.speculative import SpecConfig, speculative_generate
+    from jetspec_jax.speculative import SpecConfig
 
-    target, _ = tiny_qwen3
-    tokens, lengths = pad_prompts([[5, 12, 40], [7, 1, 2, 3, 4]], pad_id=0, bucket=8)
-    gen = GenerationConfig(max_new_tokens=12)
-    want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                           cfg=target.cfg, gen=gen, cache_len=24, attention="xla")
     spec = SpecConfig("jetspec", budget=8, width=2, attention_impl="xla", compact_impl="pallas_interpret")
-    got = speculative_generate(target.params, None, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                               cfg=target.cfg, drafter=TargetGreedyDrafter(target.cfg, 3), spec=spec, gen=gen,
-                               cache_len=32)
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    got, want = greedy_speculative_and_ar(tiny_qwen3[0], spec, max_new_tokens=12)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want))
     assert float(np.asarray(got.target_forwards).max()) < 12  # drafts were accepted, so rows were moved
 
 

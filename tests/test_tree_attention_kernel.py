@@ -99,26 +99,17 @@ def test_packing_round_trip():
 
 
 def test_ar_and_speculative_generate_through_the_kernel_equal_ar(tiny_qwen3):
-    from drafters import TargetGreedyDrafter
+    from drafters import greedy_speculative_and_ar
 
-    from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-    from jetspec_jax.generate import pad_prompts
-    from jetspec_jax.speculative import SpecConfig, speculative_generate
+    from jetspec_jax.speculative import SpecConfig
 
-    target, _ = tiny_qwen3
-    tokens, lengths = pad_prompts([[5, 12, 40], [7, 1, 2, 3, 4]], pad_id=0, bucket=8)
-    gen = GenerationConfig(max_new_tokens=10)
-    want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                           cfg=target.cfg, gen=gen, cache_len=24, attention="xla")
-    ar_through_kernel = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                        jax.random.key(0), cfg=target.cfg, gen=gen, cache_len=24,
-                                        attention="pallas_interpret")
-    np.testing.assert_array_equal(np.asarray(ar_through_kernel.tokens), np.asarray(want.tokens))
     spec = SpecConfig("jetspec", budget=8, width=2, attention_impl="pallas_interpret")
-    got = speculative_generate(target.params, None, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
-                               cfg=target.cfg, drafter=TargetGreedyDrafter(target.cfg, 3), spec=spec, gen=gen,
-                               cache_len=32)
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    got, ar_through_kernel = greedy_speculative_and_ar(tiny_qwen3[0], spec, max_new_tokens=10,
+                                                       ar_attention="pallas_interpret")
+    _, want = greedy_speculative_and_ar(tiny_qwen3[0], SpecConfig("jetspec", budget=8, width=2,
+                                                                  attention_impl="xla"), max_new_tokens=10)
+    np.testing.assert_array_equal(np.asarray(ar_through_kernel), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want))
     assert float(np.asarray(got.target_forwards).max()) < 10  # drafts were accepted through the kernel
 
 
