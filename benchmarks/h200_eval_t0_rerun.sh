@@ -4,7 +4,7 @@
 # archived T=0 rows (h200_eval_session.sh) came from two engine versions. Then the Qwen3-8B-shaped
 # cost model at budgets 32 and 128. Resumes like h200_eval_session.sh: call it again until all is there.
 # TAG (default empty) goes into the results names, so a rerun after a later engine change starts new
-# files (e.g. TAG=_treekernel for the Pallas tree builder of f38214f) instead of resuming complete ones.
+# files (e.g. TAG=_allkernels, the engine of a4cca3c) instead of resuming complete ones.
 #
 #   bash benchmarks/h200_eval_t0_rerun.sh SECONDS [TAG]   (repo root, after the model is staged)
 set -u

@@ -18,8 +18,9 @@ benchmarks/results/tree_attention_h200_gpu_clock_*.json).
 
 Triton lowering rather than Mosaic GPU (`plgpu` for Hopper), by measurement (same files): upstream's
 Mosaic FlashAttention-3, with no mask and no split-K, takes 55 us of GPU time at batch 1 L=4096 N=256
-where this kernel's whole call, masked, takes 58 (kernel alone 53), and 199 us at L=16384 N=16 where
-this one takes 29. FA3 wins where the work is large and compute-bound (batch 8, N=256: 82% of the
+where this kernel's whole call, masked, takes 58 (kernel alone 53; 54.5 and 49.7 with the later
+tree_in_last_split and bf16 partials, tree_attention_h200_rows32_sweep.json), and 199 us at
+L=16384 N=16 where this one takes 29. FA3 wins where the work is large and compute-bound (batch 8, N=256: 82% of the
 matmul rate against 47%), so a Mosaic port with the tree mask, GQA sharing and split-K is where the
 next gain lies.
 """
