@@ -5,10 +5,10 @@ budget) on the embedded target and sums the GPU's kernels per target forward.
 
 Per configuration: `wall_ms_per_step` (the generation's wall time over its target forwards, prefill
 included but amortised over `--new-tokens`), `gpu_busy_ms_per_step` (summed kernel durations on the
-GPU's own clock), their difference (the GPU idle: launch gaps, host syncs of while loops), kernel
-launches per step, and the kernels taking the most time, each with its share. The stage breakdown
-(spec_step_breakdown.py) says which stage costs; this says whether a stage's cost is GPU work or
-launches, which decides between a faster kernel and fewer of them.
+GPU's own clock), their difference (GPU idle: launch gaps, host syncs of while loops; an upper bound,
+since tracing slows the host's launches), kernel launches per step, and the kernel families taking
+the most time, each with its share. The stage breakdown (spec_step_breakdown.py) says which stage
+costs; this says which kernels, and how many launches, make it up.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
+from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
 from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
@@ -80,7 +81,7 @@ def main():
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--context", type=int, default=512, help="prompt tokens (random ids)")
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--tree-impl", default="auto")
+    p.add_argument("--tree-impl", default="auto", choices=TREE_IMPLS)
     p.add_argument("--top", type=int, default=25, help="kernel families listed per configuration")
     p.add_argument("--out", default="benchmarks/results/spec_step_profile.json")
     args = p.parse_args()

@@ -7,9 +7,10 @@ uint32, never a dense N x (L+N) mask. GQA: query head h reads kv head h // (H / 
 
 `tree_attention` dispatches: the Pallas kernel (Triton lowering) on GPU, the plain-jnp reference
 elsewhere. The kernel is split-K (flash-decoding): each program handles one (batch, KV head, block of query
-rows, key split), where the rows are all (query head of that KV head's group, node) pairs so a GQA
-group shares its K/V loads; the last split takes the tree nodes, the others share the prefix, and a
-log-sum-exp merge combines them.
+rows, key split). A block is one query head's run of nodes, read and written in place, when its size
+divides N (`head_blocked`); otherwise its rows are (query head of the KV head's group, node) pairs,
+so a small tree's GQA group shares its K/V loads. The last split takes the tree nodes, the others
+share the prefix, and a log-sum-exp merge combines them.
 
 Checked with jax 0.10.2 on the CPU (interpret=True against the reference, and the Triton module
 lowered for CUDA passes MLIR's verifier) and with jax 0.11.2 on an H200 (Triton lowering; on the GPU's
@@ -20,9 +21,9 @@ Triton lowering rather than Mosaic GPU (`plgpu` for Hopper), by measurement (sam
 Mosaic FlashAttention-3, with no mask and no split-K, takes 55 us of GPU time at batch 1 L=4096 N=256
 where this kernel's whole call, masked, takes 58 (kernel alone 53; 54.5 and 49.7 with the later
 tree_in_last_split and bf16 partials, tree_attention_h200_rows32_sweep.json), and 199 us at
-L=16384 N=16 where this one takes 29. FA3 wins where the work is large and compute-bound (batch 8, N=256: 82% of the
-matmul rate against 47%), so a Mosaic port with the tree mask, GQA sharing and split-K is where the
-next gain lies.
+L=16384 N=16 where this one takes 29. FA3 wins where the work is large and compute-bound (batch 8,
+N=256: 82% of the matmul rate against 47%), so a Mosaic port with the tree mask, GQA sharing and
+split-K is where the next gain lies.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class TreeAttentionTuning:
     num_stages: int = 3  # with the above: best of the tilings swept on the H200 (benchmarks/results)
     min_blocks_per_split: int = 4  # 1 and 2 swept: shorter kernels, but the larger merge costs more
     tree_in_last_split: bool = False  # the last prefix split's programs also take the tree nodes: one
-    # partial result fewer to write and merge, no programs for the tree alone (to be measured)
+    # partial result fewer to write and merge, no programs for the tree alone. Best at the 8B tree
+    # shape, 3% slower at the embedded model's B=256 verify (sweep of a4cca3c): off
     low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
     # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
 
