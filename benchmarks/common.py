@@ -92,22 +92,32 @@ def device_seconds(many, one, iters: int) -> float:
     return (t_many - t_one) / (iters - 1)
 
 
+def gpu_kernel_events(fn) -> tuple[list[tuple[str, int]] | None, float]:
+    """One fn() profiled after a warm-up call: the (kernel name, duration ns) of every kernel it ran
+    on the GPU (None where the profile has no GPU plane, as on the CPU), and its wall seconds under
+    the profiler."""
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            wall = time.perf_counter() - t0
+        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None, wall
+        profile = jax.profiler.ProfileData.from_file(files[0])
+    events = [(e.name, e.duration_ns) for plane in profile.planes if plane.name.startswith("/device:GPU")
+              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+    return events or None, wall
+
+
 def gpu_microseconds(many, iters: int, kernel_name: str = "tree_attention") -> dict[str, float] | None:
     """The GPU's own clock, from a profile of one chain: `gpu_busy_us`, the summed durations of every
     kernel the chain ran, per call, and `kernel_us`, the median duration of the launches of the Pallas
     kernel named `kernel_name` (where the path has one), and `other_kernels_us`, the four other kernels
     taking the most time per call. None where the profile has no GPU plane."""
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.block_until_ready(many())
-        with jax.profiler.trace(trace_dir):
-            jax.block_until_ready(many())
-        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return None
-        profile = jax.profiler.ProfileData.from_file(files[0])
-    events = [(e.name, e.duration_ns) for plane in profile.planes if plane.name.startswith("/device:GPU")
-              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
-    if not events:
+    events, _ = gpu_kernel_events(many)
+    if events is None:
         return None
     out = {"gpu_busy_us": sum(d for _, d in events) / 1e3 / iters}
     kernel = sorted(d for name, d in events if kernel_name in name)

@@ -1,10 +1,14 @@
 # Sourced by the H200 session scripts (repo root, after the model is staged): the environment every
-# step needs, and `unpack_archived DIR FILE.jsonl.gz...`, which gunzips archived eval runs (with
-# their .meta.json) into DIR unless already there, so the eval resumes them.
+# step needs; `within COMMAND...`, which runs it with the time left until the script's $deadline
+# (epoch seconds) if more than 10 s are left; and `unpack_archived DIR FILE.jsonl.gz...`, which
+# gunzips archived eval runs (with their .meta.json) into DIR unless already there, so the eval
+# resumes them.
 export JETSPEC_GGUF=${JETSPEC_GGUF:-/tmp/jetspec-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 export PYTHONPATH=/tmp/jetspec-site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
 ln -sfn ../train jetspec_jax/train && ln -sfn ../kernels jetspec_jax/kernels && ln -sfn ../eval jetspec_jax/eval
+
+within() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt 10 ] && timeout "$l" "$@"; }
 
 unpack_archived() {
   local dir=$1 archived name

@@ -16,6 +16,7 @@ set -u
 budget=${1:-560}
 benches=${2:-benches}
 deadline=$(( $(date +%s) + budget ))
+. benchmarks/h200_env.sh  # before the `within` below, which takes a per-step limit and replaces env's
 left() { echo $(( deadline - $(date +%s) )); }
 within() {  # SECONDS command...: runs it for at most SECONDS and never past the deadline
   local t=$1 l; l=$(left); shift
@@ -23,7 +24,6 @@ within() {  # SECONDS command...: runs it for at most SECONDS and never past the
   timeout $(( t < l ? t : l )) "$@"
 }
 
-. benchmarks/h200_env.sh
 runs=/tmp/evalrun bench=/tmp/evalrun/bench
 mkdir -p "$bench"
 unpack_archived "$runs" eval/results/h200_bf16_{gsm8k,mbpp}*.jsonl.gz eval/results/h200_fp32_*.jsonl.gz

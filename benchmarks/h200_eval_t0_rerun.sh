@@ -10,7 +10,6 @@
 set -u
 deadline=$(( $(date +%s) + ${1:-560} ))
 tag=${2:-}
-within() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt 10 ] && timeout "$l" "$@"; }
 . benchmarks/h200_env.sh
 runs=/tmp/t0run$tag
 shopt -s nullglob  # no archive of this tag yet: nothing to unpack

@@ -10,7 +10,6 @@
 #   bash benchmarks/h200_step_and_kernel.sh SECONDS   (repo root, after the model is staged)
 set -u
 deadline=$(( $(date +%s) + ${1:-540} ))
-within() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt 10 ] && timeout "$l" "$@"; }
 . benchmarks/h200_env.sh
 out=${OUT:-/tmp}
 { CUDA_VISIBLE_DEVICES=0 within python benchmarks/spec_step_breakdown.py --attention pallas \

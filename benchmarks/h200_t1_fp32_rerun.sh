@@ -11,7 +11,6 @@
 set -u
 deadline=$(( $(date +%s) + ${1:-560} ))
 tag=${2:?TAG names the results files, e.g. _allkernels}
-within() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt 10 ] && timeout "$l" "$@"; }
 . benchmarks/h200_env.sh
 runs=/tmp/t1run$tag
 shopt -s nullglob  # no archive of this tag yet: nothing to unpack

@@ -9,7 +9,6 @@
 #   bash benchmarks/h200_xla_flags.sh SECONDS   (repo root, after the model is staged)
 set -u
 deadline=$(( $(date +%s) + ${1:-540} ))
-within() { local l=$(( deadline - $(date +%s) )); [ "$l" -gt 10 ] && timeout "$l" "$@"; }
 . benchmarks/h200_env.sh
 out=${OUT:-/tmp}
 eval_run() {  # GPU, name, XLA_FLAGS

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import sys
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, write_json_atomic  # noqa: E402
+from common import environment, gpu_kernel_events, print_table, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
@@ -38,23 +35,6 @@ from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 def kernel_family(name: str) -> str:
     """Groups kernel names so that numbered fusions of one kind add up (fusion_12 -> fusion)."""
     return re.sub(r"[._]\d+$", "", re.sub(r"(\.\d+)+$", "", name))
-
-
-def profiled(fn) -> tuple[float, list[tuple[str, int]] | None]:
-    """(wall seconds of one fn() after a warm-up, GPU kernel events (name, ns) or None off GPU)."""
-    jax.block_until_ready(fn())
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            wall = time.perf_counter() - t0
-        files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            return wall, None
-        profile = jax.profiler.ProfileData.from_file(files[0])
-    events = [(e.name, e.duration_ns) for plane in profile.planes if plane.name.startswith("/device:GPU")
-              for line in plane.lines if line.name.startswith("Stream") for e in line.events]
-    return wall, events or None
 
 
 def summarise(name: str, wall: float, events, steps: int, top: int) -> dict:
@@ -100,7 +80,7 @@ def main():
                    environment=environment())
 
     def record(name, fn, steps):
-        wall, events = profiled(fn)
+        events, wall = gpu_kernel_events(fn)
         row = summarise(name, wall, events, steps, args.top)
         payload["rows"].append(row)
         print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)

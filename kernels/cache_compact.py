@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jetspec_jax.kernels.tree_attention import next_power_of_two
+from jetspec_jax.kernels.tree_attention import default_implementation, next_power_of_two
 from jetspec_jax.kv_cache import gather_rows, write_block
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -70,10 +70,6 @@ def compact_rows_reference(buffers: tuple[jax.Array, ...], lengths: jax.Array,
                            path: jax.Array) -> tuple[jax.Array, ...]:
     rows = lengths[:, None] + path
     return tuple(write_block(x, gather_rows(x, rows), lengths) for x in buffers)
-
-
-def default_implementation() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def compact_rows(buffers: tuple[jax.Array, ...], lengths: jax.Array, path: jax.Array, *,

@@ -262,14 +262,14 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
 
 def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
     """Sum of the partials along `axis`, each weighted by exp(lse_p - lse_total) (lse has no D axis;
-    empty partials have lse = -inf and weight 0), in fp32. Written out over the (few, static)
-    partials so that XLA emits one elementwise kernel: a logsumexp and a weighted sum over the axis
-    were three kernels (about 5 us at the 8B target shape on the H200, tree_attention_bench's
-    other_kernels_us)."""
+    empty partials have lse = -inf and weight 0), in fp32; a single partial is returned as it is.
+    Written out over the (few, static) partials so that XLA emits one elementwise kernel: a logsumexp
+    and a weighted sum over the axis were three kernels (about 5 us at the 8B target shape on the
+    H200, tree_attention_bench's other_kernels_us)."""
     count = out.shape[axis]
+    if count == 1:  # already final, in the kernel's output dtype
+        return jnp.take(out, 0, axis=axis)
     outs = [jnp.take(out, i, axis=axis).astype(jnp.float32) for i in range(count)]
-    if count == 1:
-        return outs[0]
     lses = [jnp.take(lse, i, axis=axis) for i in range(count)]
     top = functools.reduce(jnp.maximum, lses)
     top = jnp.where(top == -jnp.inf, 0.0, top)  # every partial empty: all weights 0
@@ -292,16 +292,15 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
     q_in, words = kernel_inputs(q, tree_words, hkv, block_rows)
     out, lse = tree_attention_splits(q_in, k, v, lengths, words, num_nodes=n, num_heads=h, block_rows=block_rows,
                                      tuning=tuning, interpret=interpret)
-    if head_blocked(n, block_rows):
-        if out.shape[1] == 1:  # already final: no op around the kernel
-            return out[:, 0]
+    if head_blocked(n, block_rows):  # with one partial no op runs around the kernel
         return merge_partials(out, jnp.swapaxes(lse, 2, 3), axis=1).astype(q.dtype)
     merged = merge_partials(out, lse, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
 
 
 def default_implementation() -> str:
-    """The attention path used unless one is named: the kernel on GPU, the reference elsewhere."""
+    """The path a kernel's entry point takes unless one is named (every kernel here): the kernel on
+    GPU, the reference elsewhere."""
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 

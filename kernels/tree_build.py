@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jetspec_jax.kernels.tree_attention import next_power_of_two
+from jetspec_jax.kernels.tree_attention import default_implementation, next_power_of_two
 from jetspec_jax.tree import Tree, ancestor_mask, build_tree
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -104,10 +104,6 @@ def build_trees_pallas(root_tokens: jax.Array, cand_tokens: jax.Array, cand_logp
     tokens = jnp.where(valid, tokens, 0)
     return Tree(tokens=tokens, parents=parents, depths=depths, scores=scores, valid=valid,
                 ancestors=ancestor_mask(parents, max_depth), num_nodes=jnp.sum(valid, axis=1, dtype=jnp.int32))
-
-
-def default_implementation() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def build_trees(root_tokens: jax.Array, cand_tokens: jax.Array, cand_logps: jax.Array, *, budget: int,
