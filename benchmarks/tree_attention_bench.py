@@ -187,7 +187,7 @@ def tunings(*specs):
                                 **(rest[0] if rest else {})) for r, kb, w, st, tp, *rest in specs]
 
 
-M1, M2, TREE_LAST = {"min_blocks_per_split": 1}, {"min_blocks_per_split": 2}, {"tree_in_last_split": True}
+M2, TREE_LAST, KERNEL_MERGE = {"min_blocks_per_split": 2}, {"tree_in_last_split": True}, {"merge_in_kernel": True}
 FP32_PARTIALS = {"low_precision_partials": False}  # the default before 615fcac's sweep
 
 
@@ -196,18 +196,17 @@ FP32_PARTIALS = {"low_precision_partials": False}  # the default before 615fcac'
 # candidate has the lowest geometric mean time over the class's shapes.
 SWEEP = {
     "tree": ([("qwen3-8b", 1, 4096, 256), ("smollm2-135m", 1, 1024, 256)], tunings(
-        (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, FP32_PARTIALS), (64, 64, 4, 3, 132, TREE_LAST),
-        (64, 64, 4, 3, 264, TREE_LAST), (128, 64, 8, 3, 66, TREE_LAST),
-        # 32-row programs: as many programs as two splits of 64-row ones, but one partial (no merge)
-        (32, 64, 4, 3, 66, TREE_LAST), (32, 64, 2, 3, 66, TREE_LAST), (32, 128, 4, 3, 66, TREE_LAST),
-        (32, 64, 4, 4, 66, TREE_LAST))),
+        (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, KERNEL_MERGE),
+        (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE), (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE | FP32_PARTIALS),
+        (128, 64, 8, 3, 66, TREE_LAST | KERNEL_MERGE))),
     "decode": ([("qwen3-8b", 1, 16384, 16), ("smollm2-135m", 1, 1024, 1)], tunings(
-        (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, FP32_PARTIALS), (64, 64, 4, 3, 132, TREE_LAST),
-        (64, 64, 4, 3, 264, TREE_LAST), (64, 64, 4, 3, 264, M2))),
+        (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, KERNEL_MERGE),
+        (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE), (64, 64, 4, 3, 264, M2), (64, 64, 4, 3, 264, M2 | KERNEL_MERGE))),
 }
 # Swept earlier and dropped as slower at every shape (benchmarks/results/tree_attention_h200_*.json):
 # 2 stages, block_k 32 or 128 at 64 rows, 8 warps at 64 rows, 66 or 264 programs without the options,
-# 128-row programs in 2 stages or without tree_in_last_split, min_blocks_per_split 1.
+# 128-row programs in 2 stages or without tree_in_last_split, min_blocks_per_split 1, fp32
+# partials (merged by XLA), 32-row programs (one partial, but 2x slower: no wgmma below 64 rows).
 
 
 def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
@@ -241,7 +240,8 @@ def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
 def tuning_name(t: TreeAttentionTuning) -> str:
     return (f"rows{t.block_rows}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}_p{t.target_programs}"
             + (f"_m{t.min_blocks_per_split}" if t.min_blocks_per_split != 4 else "")
-            + ("_treelast" if t.tree_in_last_split else "") + ("_lowpartials" if t.low_precision_partials else ""))
+            + ("_treelast" if t.tree_in_last_split else "") + ("_lowpartials" if t.low_precision_partials else "")
+            + ("_kmerge" if t.merge_in_kernel else ""))
 
 
 def main():

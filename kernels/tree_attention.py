@@ -90,6 +90,8 @@ class TreeAttentionTuning:
     # shape, 3% slower at the embedded model's B=256 verify (sweep of a4cca3c): off
     low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
     # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
+    merge_in_kernel: bool = False  # the last of a row block's split programs to finish (an atomic
+    # counter per block) merges the partials and writes the final rows: no merge kernels after the call
 
     def num_partials(self, splits: int) -> int:
         return splits if self.tree_in_last_split else splits + 1
@@ -117,13 +119,14 @@ def _online_softmax_step(q, k, v, visible, carry, scale):
     return acc, m_next, l_prev * correction + jnp.sum(p, axis=1)
 
 
-def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, lse_ref, *, num_nodes: int,
-                           num_words: int, prefix_splits: int, tree_split: int, split_rows: int, block_k: int,
-                           scale: float):
+def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, num_nodes: int, num_words: int,
+                           prefix_splits: int, tree_split: int, split_rows: int, block_k: int, scale: float,
+                           merge_in_kernel: bool, interpret: bool):
     """Grid (batch, kv head, row block, split). A row is one (query head of the group, node) pair, so
     the group's heads share every K/V load. Splits < prefix_splits cover prefix rows
     [split * split_rows, ...) up to the prefix length; split `tree_split` covers the tree nodes (the
-    one after the prefix splits, or the last of them)."""
+    one after the prefix splits, or the last of them). refs: the outputs (o, lse), or with
+    `merge_in_kernel` the arrival counters (input), final o, partial o and lse, counters (output)."""
     b, split = pl.program_id(0), pl.program_id(3)
     block_rows, d = q_ref.shape
     length = lengths_ref[b]
@@ -167,9 +170,30 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, o_ref, l
         carry = lax.fori_loop(0, full_steps, functools.partial(prefix_block, masked=False), carry)
     carry = lax.fori_loop(full_steps, full_steps + tail_steps, functools.partial(prefix_block, masked=True), carry)
     acc, m, l = lax.fori_loop(0, (split == tree_split).astype(jnp.int32) * num_words, tree_block, carry)
-    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    out = acc / jnp.where(l == 0, 1.0, l)[:, None]
     # m and l are in base 2: the natural-log lse is ln(2) * (m + log2 l)
-    lse_ref[...] = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * math.log(2))
+    lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * math.log(2))
+    if not merge_in_kernel:
+        o_ref, lse_ref = refs
+        o_ref[...] = out.astype(o_ref.dtype)
+        lse_ref[...] = lse
+        return
+    _counts_in, o_ref, part_o_ref, part_lse_ref, counts_ref = refs
+    tile = (b, pl.program_id(1), pl.program_id(2))
+    part_o_ref[tile + (split,)] = out.astype(part_o_ref.dtype)
+    part_lse_ref[tile + (split,)] = lse
+    if not interpret:  # (interpret mode has no threads, nor this primitive)
+        plgpu.debug_barrier()  # every thread's partial is stored before the release below publishes it
+    arrived = plgpu.atomic_add(counts_ref, tile, jnp.int32(1))  # acquire-release at GPU scope
+
+    @pl.when(arrived == part_lse_ref.shape[3] - 1)  # the tile's last program: the others' partials are out
+    def _merge():
+        # volatile: read past this multiprocessor's L1, which is not coherent with the others' stores
+        # (cache_modifier=".cg" would, but jax 0.10-0.11 look it up under the wrong key)
+        at = [tile + (jnp.int32(p),) for p in range(part_lse_ref.shape[3])]  # int32: interpret mode's indexer
+        parts = [(plgpu.load(part_o_ref.at[i], volatile=True).astype(jnp.float32),
+                  plgpu.load(part_lse_ref.at[i], volatile=True)) for i in at]
+        o_ref[...] = combine_partials([o for o, _ in parts], [x for _, x in parts]).astype(o_ref.dtype)
 
 
 def next_power_of_two(x: int) -> int:
@@ -213,11 +237,12 @@ def kernel_inputs(q: jax.Array, tree_words: jax.Array, num_kv_heads: int, block_
 @functools.partial(jax.jit, static_argnames=("num_nodes", "num_heads", "block_rows", "tuning", "interpret"))
 def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, words: jax.Array,
                           *, num_nodes: int, num_heads: int, block_rows: int, tuning: TreeAttentionTuning,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                          interpret: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """The pallas_call alone, on `kernel_inputs`' (q, words): per-split normalised outputs and their
-    log-sum-exps (fp32), P = `tuning.num_partials`. Head-blocked: (B, P, N, H, D) and (B, P, H, N);
-    packed: (B, Hkv, P, R, D) and (B, Hkv, P, R). With one partial the output is final, in q's dtype;
-    with several, fp32 (q's dtype with `low_precision_partials`)."""
+    log-sum-exps (fp32), P = `tuning.num_partials`. Head-blocked: (B, P, N, H, D) and (B, P, N, H);
+    packed: (B, Hkv, P, R, D) and (B, Hkv, P, R). With one partial, or `merge_in_kernel`, the output
+    is final, in q's dtype, with P = 1 (and lse None when merged in the kernel); otherwise the
+    partials are fp32 (q's dtype with `low_precision_partials`)."""
     b, s, hkv, d = k.shape
     group = num_heads // hkv
     blocked = head_blocked(num_nodes, block_rows)
@@ -227,56 +252,92 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
     splits = tuning.splits_for(s, b * hkv * row_blocks)
     split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
     partials = tuning.num_partials(splits)
+    merge_in_kernel = tuning.merge_in_kernel and partials > 1
     out_dtype = q_in.dtype if partials == 1 or tuning.low_precision_partials else jnp.float32
     kernel = functools.partial(_tree_attention_kernel, num_nodes=num_nodes, num_words=num_words,
                                prefix_splits=splits, tree_split=partials - 1, split_rows=split_rows,
-                               block_k=tuning.block_k, scale=math.log2(math.e) / math.sqrt(d))
+                               block_k=tuning.block_k, scale=math.log2(math.e) / math.sqrt(d),
+                               merge_in_kernel=merge_in_kernel, interpret=interpret)
     kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0))
     if blocked:  # row block r of KV head j: query head j * group + r // node_blocks, nodes of block r % node_blocks
         def head(j, r):
             return j * group + r // node_blocks
         q_spec = pl.BlockSpec((None, block_rows, None, d), lambda i, j, r, sp: (i, r % node_blocks, head(j, r), 0))
         words_spec = pl.BlockSpec((None, block_rows, num_words), lambda i, j, r, sp: (i, r % node_blocks, 0))
-        out_specs = [pl.BlockSpec((None, None, block_rows, None, d),
-                                  lambda i, j, r, sp: (i, sp, r % node_blocks, head(j, r), 0)),
-                     pl.BlockSpec((None, None, None, block_rows),
-                                  lambda i, j, r, sp: (i, sp, head(j, r), r % node_blocks))]
-        out_shapes = [(b, partials, num_nodes, num_heads, d), (b, partials, num_heads, num_nodes)]
+        partial_axis, rows_shape = 1, (num_nodes, num_heads)
+        o_spec = pl.BlockSpec((None, None, block_rows, None, d),
+                              lambda i, j, r, sp: (i, sp, r % node_blocks, head(j, r), 0))
+        lse_spec = pl.BlockSpec((None, None, block_rows, None), lambda i, j, r, sp: (i, sp, r % node_blocks, head(j, r)))
     else:
         q_spec = pl.BlockSpec((None, None, block_rows, d), lambda i, j, r, sp: (i, j, r, 0))
         words_spec = pl.BlockSpec((None, block_rows, num_words), lambda i, j, r, sp: (i, r, 0))
-        out_specs = [pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, r, sp: (i, j, sp, r, 0)),
-                     pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r))]
-        out_shapes = [(b, hkv, partials, q_in.shape[2], d), (b, hkv, partials, q_in.shape[2])]
-    return pl.pallas_call(
+        partial_axis, rows_shape = 2, (hkv, q_in.shape[2])
+        o_spec = pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, r, sp: (i, j, sp, r, 0))
+        lse_spec = pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r))
+    in_specs = [pl.BlockSpec((b,), lambda i, j, r, sp: (0,)), q_spec, kv_spec, kv_spec, words_spec]
+    inputs = [lengths.astype(jnp.int32), q_in, k, v, words]
+
+    def with_partials(shape, count):  # rows_shape with a partial axis of `count` at partial_axis
+        full = (b,) + rows_shape + shape
+        return full[:partial_axis] + (count,) + full[partial_axis:]
+
+    if not merge_in_kernel:
+        out_specs = [o_spec, lse_spec]
+        out_shape = [jax.ShapeDtypeStruct(with_partials((d,), partials), out_dtype),
+                     jax.ShapeDtypeStruct(with_partials((), partials), jnp.float32)]
+        aliases = {}
+    else:  # final rows by the last program of each tile; partials and counters in tile-major scratch
+        def final_index(i, j, r, sp):
+            return o_spec.index_map(i, j, r, 0)
+        final_spec = pl.BlockSpec(o_spec.block_shape, final_index)
+        tiles = (b, hkv, row_blocks)
+
+        def whole(shape):
+            return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+        in_specs.append(whole(tiles))
+        inputs.append(jnp.zeros(tiles, jnp.int32))
+        out_specs = [final_spec, whole(tiles + (partials, block_rows, d)), whole(tiles + (partials, block_rows)),
+                     whole(tiles)]
+        out_shape = [jax.ShapeDtypeStruct(with_partials((d,), 1), q_in.dtype),
+                     jax.ShapeDtypeStruct(tiles + (partials, block_rows, d), out_dtype),
+                     jax.ShapeDtypeStruct(tiles + (partials, block_rows), jnp.float32),
+                     jax.ShapeDtypeStruct(tiles, jnp.int32)]
+        aliases = {len(inputs) - 1: 3}
+    outs = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, partials),
-        in_specs=[pl.BlockSpec((b,), lambda i, j, r, sp: (0,)), q_spec, kv_spec, kv_spec, words_spec],
+        in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(out_shapes[0], out_dtype), jax.ShapeDtypeStruct(out_shapes[1], jnp.float32)],
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths.astype(jnp.int32), q_in, k, v, words)
+    )(*inputs)
+    return (outs[0], None) if merge_in_kernel else tuple(outs)
 
 
-def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
-    """Sum of the partials along `axis`, each weighted by exp(lse_p - lse_total) (lse has no D axis;
-    empty partials have lse = -inf and weight 0), in fp32; a single partial is returned as it is.
-    Written out over the (few, static) partials so that XLA emits one elementwise kernel: a logsumexp
-    and a weighted sum over the axis were three kernels (about 5 us at the 8B target shape on the
-    H200, tree_attention_bench's other_kernels_us)."""
-    count = out.shape[axis]
-    if count == 1:  # already final, in the kernel's output dtype
-        return jnp.take(out, 0, axis=axis)
-    outs = [jnp.take(out, i, axis=axis).astype(jnp.float32) for i in range(count)]
-    lses = [jnp.take(lse, i, axis=axis) for i in range(count)]
+def combine_partials(outs: list, lses: list) -> jax.Array:
+    """fp32 sum of partial outputs (each (..., D)), each weighted by exp(lse_p - lse_total) (each (...,);
+    an empty partial has lse = -inf and weight 0). Written out over the few, static partials: as an
+    XLA merge this is one elementwise kernel (a logsumexp and a weighted sum over an axis were three,
+    about 5 us at the 8B target shape on the H200), and the kernel's own merge runs the same code."""
     top = functools.reduce(jnp.maximum, lses)
     top = jnp.where(top == -jnp.inf, 0.0, top)  # every partial empty: all weights 0
     weights = [jnp.exp(x - top) for x in lses]
     total = functools.reduce(jnp.add, weights)
     merged = functools.reduce(jnp.add, [o * w[..., None] for o, w in zip(outs, weights)])
     return merged / jnp.where(total == 0, 1.0, total)[..., None]
+
+
+def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
+    """`combine_partials` of the partials along `axis` of out and lse (lse has no D axis), in fp32; a
+    single partial is returned as it is."""
+    count = out.shape[axis]
+    if count == 1:  # already final, in the kernel's output dtype
+        return jnp.take(out, 0, axis=axis)
+    return combine_partials([jnp.take(out, i, axis=axis).astype(jnp.float32) for i in range(count)],
+                            [jnp.take(lse, i, axis=axis) for i in range(count)])
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
@@ -293,7 +354,7 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
     out, lse = tree_attention_splits(q_in, k, v, lengths, words, num_nodes=n, num_heads=h, block_rows=block_rows,
                                      tuning=tuning, interpret=interpret)
     if head_blocked(n, block_rows):  # with one partial no op runs around the kernel
-        return merge_partials(out, jnp.swapaxes(lse, 2, 3), axis=1).astype(q.dtype)
+        return merge_partials(out, lse, axis=1).astype(q.dtype)
     merged = merge_partials(out, lse, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
 

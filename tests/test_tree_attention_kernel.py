@@ -37,8 +37,9 @@ CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kind
 ]
 
 
-VARIANTS = [{}, {"tree_in_last_split": True}, {"low_precision_partials": False}]  # tuning options that change
-# what the kernel computes where, not only how fast
+VARIANTS = [{}, {"tree_in_last_split": True}, {"low_precision_partials": False},  # tuning options that change
+            {"merge_in_kernel": True}, {"merge_in_kernel": True, "tree_in_last_split": True}]  # what the
+# kernel computes where, not only how fast
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v) or "default")
@@ -122,6 +123,8 @@ LOWERING_SHAPES = [  # batch, N, heads, kv heads, head dim, cache rows, dtype, t
                                                                  low_precision_partials=True)),
     (1, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(block_rows=32, tree_in_last_split=True,
                                                                  target_programs=66)),
+    (1, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(tree_in_last_split=True, merge_in_kernel=True)),
+    (2, 40, 8, 2, 64, 1088, jnp.bfloat16, TreeAttentionTuning(merge_in_kernel=True)),  # packed rows
 ]
 
 
