@@ -197,15 +197,14 @@ FP32_PARTIALS = {"low_precision_partials": False}  # the default before 615fcac'
 SWEEP = {
     "tree": ([("qwen3-8b", 1, 4096, 256), ("smollm2-135m", 1, 1024, 256)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, KERNEL_MERGE),
-        (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE), (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE | FP32_PARTIALS),
-        (128, 64, 8, 3, 66, TREE_LAST | KERNEL_MERGE))),
+        (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE), (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE | FP32_PARTIALS))),
     "decode": ([("qwen3-8b", 1, 16384, 16), ("smollm2-135m", 1, 1024, 1)], tunings(
         (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, KERNEL_MERGE),
-        (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE), (64, 64, 4, 3, 264, M2), (64, 64, 4, 3, 264, M2 | KERNEL_MERGE))),
+        (64, 64, 4, 3, 264, M2), (64, 64, 4, 3, 264, M2 | KERNEL_MERGE))),
 }
 # Swept earlier and dropped as slower at every shape (benchmarks/results/tree_attention_h200_*.json):
 # 2 stages, block_k 32 or 128 at 64 rows, 8 warps at 64 rows, 66 or 264 programs without the options,
-# 128-row programs in 2 stages or without tree_in_last_split, min_blocks_per_split 1, fp32
+# 128-row programs (with or without the options), min_blocks_per_split 1, fp32
 # partials (merged by XLA), 32-row programs (one partial, but 2x slower: no wgmma below 64 rows).
 
 

@@ -188,12 +188,19 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
 
     @pl.when(arrived == part_lse_ref.shape[3] - 1)  # the tile's last program: the others' partials are out
     def _merge():
-        # volatile: read past this multiprocessor's L1, which is not coherent with the others' stores
-        # (cache_modifier=".cg" would, but jax 0.10-0.11 look it up under the wrong key)
-        at = [tile + (jnp.int32(p),) for p in range(part_lse_ref.shape[3])]  # int32: interpret mode's indexer
-        parts = [(plgpu.load(part_o_ref.at[i], volatile=True).astype(jnp.float32),
-                  plgpu.load(part_lse_ref.at[i], volatile=True)) for i in at]
-        o_ref[...] = combine_partials([o for o, _ in parts], [x for _, x in parts]).astype(o_ref.dtype)
+        def add_partial(p, carry):  # online log-sum-exp: one partial in registers at a time
+            acc, top, total = carry
+            # volatile: read past this multiprocessor's L1, which is not coherent with the others' stores
+            # (cache_modifier=".cg" would, but jax 0.10-0.11 look it up under the wrong key)
+            lse_p = plgpu.load(part_lse_ref.at[tile + (p,)], volatile=True)
+            o_p = plgpu.load(part_o_ref.at[tile + (p,)], volatile=True).astype(jnp.float32)
+            new_top = jnp.maximum(top, lse_p)
+            safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # all empty so far: weights 0
+            rescale, weight = jnp.exp(top - safe_top), jnp.exp(lse_p - safe_top)
+            return acc * rescale[:, None] + o_p * weight[:, None], new_top, total * rescale + weight
+
+        acc, _, total = lax.fori_loop(0, part_lse_ref.shape[3], add_partial, init)
+        o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)[:, None]).astype(o_ref.dtype)
 
 
 def next_power_of_two(x: int) -> int:
