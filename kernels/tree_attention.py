@@ -10,7 +10,8 @@ elsewhere. The kernel is split-K (flash-decoding): each program handles one (bat
 rows, key split). A block is one query head's run of nodes, read and written in place, when its size
 divides N (`head_blocked`); otherwise its rows are (query head of the KV head's group, node) pairs,
 so a small tree's GQA group shares its K/V loads. The last split takes the tree nodes, the others
-share the prefix, and a log-sum-exp merge combines them.
+share the prefix, and a log-sum-exp merge combines them (XLA's after the call, or with
+`merge_in_kernel` the last program's of each row block).
 
 Checked with jax 0.10.2 on the CPU (interpret=True against the reference, and the Triton module
 lowered for CUDA passes MLIR's verifier) and with jax 0.11.2 on an H200 (Triton lowering; on the GPU's
@@ -91,7 +92,11 @@ class TreeAttentionTuning:
     low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
     # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
     merge_in_kernel: bool = False  # the last of a row block's split programs to finish (an atomic
-    # counter per block) merges the partials and writes the final rows: no merge kernels after the call
+    # counter per block) merges the partials and writes the final rows: no merge kernels after the call.
+    # H200 (tree_attention_h200_kernel_merge_*.json): with tree_in_last_split and fp32 partials the 8B
+    # target shape took 51.9 us against 53.8 with XLA's merge, but with more partials the merge's
+    # registers slow the whole kernel (embedded B=256 verify 13.0 vs 10.3 us, 8B decode shape 4x), and
+    # a looped merge was slower at every shape: off
 
     def num_partials(self, splits: int) -> int:
         return splits if self.tree_in_last_split else splits + 1
@@ -188,19 +193,12 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
 
     @pl.when(arrived == part_lse_ref.shape[3] - 1)  # the tile's last program: the others' partials are out
     def _merge():
-        def add_partial(p, carry):  # online log-sum-exp: one partial in registers at a time
-            acc, top, total = carry
-            # volatile: read past this multiprocessor's L1, which is not coherent with the others' stores
-            # (cache_modifier=".cg" would, but jax 0.10-0.11 look it up under the wrong key)
-            lse_p = plgpu.load(part_lse_ref.at[tile + (p,)], volatile=True)
-            o_p = plgpu.load(part_o_ref.at[tile + (p,)], volatile=True).astype(jnp.float32)
-            new_top = jnp.maximum(top, lse_p)
-            safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # all empty so far: weights 0
-            rescale, weight = jnp.exp(top - safe_top), jnp.exp(lse_p - safe_top)
-            return acc * rescale[:, None] + o_p * weight[:, None], new_top, total * rescale + weight
-
-        acc, _, total = lax.fori_loop(0, part_lse_ref.shape[3], add_partial, init)
-        o_ref[...] = (acc / jnp.where(total == 0, 1.0, total)[:, None]).astype(o_ref.dtype)
+        # volatile: read past this multiprocessor's L1, which is not coherent with the others' stores
+        # (cache_modifier=".cg" would, but jax 0.10-0.11 look it up under the wrong key)
+        at = [tile + (jnp.int32(p),) for p in range(part_lse_ref.shape[3])]  # int32: interpret mode's indexer
+        parts = [(plgpu.load(part_o_ref.at[i], volatile=True).astype(jnp.float32),
+                  plgpu.load(part_lse_ref.at[i], volatile=True)) for i in at]
+        o_ref[...] = combine_partials([o for o, _ in parts], [x for _, x in parts]).astype(o_ref.dtype)
 
 
 def next_power_of_two(x: int) -> int:
@@ -326,9 +324,9 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
 
 def combine_partials(outs: list, lses: list) -> jax.Array:
     """fp32 sum of partial outputs (each (..., D)), each weighted by exp(lse_p - lse_total) (each (...,);
-    an empty partial has lse = -inf and weight 0). Written out over the few, static partials: as an
-    XLA merge this is one elementwise kernel (a logsumexp and a weighted sum over an axis were three,
-    about 5 us at the 8B target shape on the H200), and the kernel's own merge runs the same code."""
+    an empty partial has lse = -inf and weight 0). Written out over the few, static partials: XLA makes
+    two kernels of it, 3.5-3.8 us at the 8B target shape on the H200 (a logsumexp and a weighted sum
+    over an axis were three, 4.7 us), and the kernel's own merge runs the same code."""
     top = functools.reduce(jnp.maximum, lses)
     top = jnp.where(top == -jnp.inf, 0.0, top)  # every partial empty: all weights 0
     weights = [jnp.exp(x - top) for x in lses]
