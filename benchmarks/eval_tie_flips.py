@@ -4,6 +4,10 @@
         eval/results/h200_bf16_mbpp_mtbench_aime25.jsonl.gz --sample 150 \\
         --out benchmarks/results/eval_tie_flips_h200_bf16.json
 
+(the recorded run read the first eval run's archives, in git at f553b2b:
+`git show f553b2b:eval/results/h200_bf16_gsm8k_math500_humaneval.jsonl.gz > ...`; any eval results
+file with T=0 rows will do)
+
 For every T=0 line whose tokens differ from AR's, take the first differing position, rebuild the
 prefix (the eval's prompt tokens + the tokens both produced) and recompute the target's next-token
 logits there in fp32 at highest matmul precision (on this machine, the run's own device not needed).

@@ -1,7 +1,7 @@
 """Why tau is low at temperature 1 for the embedded target: how often its own samples fall outside
 its top-W tokens.
 
-    python benchmarks/t1_acceptance_bound.py eval/results/h200_bf16_gsm8k_math500_humaneval.jsonl.gz \\
+    python benchmarks/t1_acceptance_bound.py eval/results/h200_bf16_t1_allkernels_*.jsonl.gz \\
         --prompts 8 --out benchmarks/results/t1_acceptance_bound.json
 
 At T=1 a verify pass accepts a draft at depth 1 only when the target's sample is one of the root's W
