@@ -106,6 +106,13 @@ def build_trees_pallas(root_tokens: jax.Array, cand_tokens: jax.Array, cand_logp
                 ancestors=ancestor_mask(parents, max_depth), num_nodes=jnp.sum(valid, axis=1, dtype=jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnames=("budget",))
+def build_trees_xla(root_tokens: jax.Array, cand_tokens: jax.Array, cand_logps: jax.Array, *, budget: int) -> Tree:
+    """The reference builder over a batch as one compiled program (called eagerly, each of vmap's ops
+    would be compiled on its own: dozens of small XLA compilations for each new shape)."""
+    return jax.vmap(functools.partial(build_tree, budget=budget))(root_tokens, cand_tokens, cand_logps)
+
+
 def build_trees(root_tokens: jax.Array, cand_tokens: jax.Array, cand_logps: jax.Array, *, budget: int,
                 implementation: str = "auto") -> Tree:
     """Trees for a batch: "auto" picks the Pallas kernel on GPU and the reference elsewhere;
@@ -113,7 +120,7 @@ def build_trees(root_tokens: jax.Array, cand_tokens: jax.Array, cand_logps: jax.
     if implementation == "auto":
         implementation = default_implementation()
     if implementation == "xla":
-        return jax.vmap(functools.partial(build_tree, budget=budget))(root_tokens, cand_tokens, cand_logps)
+        return build_trees_xla(root_tokens, cand_tokens, cand_logps, budget=budget)
     if implementation in ("pallas", "pallas_interpret"):
         return build_trees_pallas(root_tokens, cand_tokens, cand_logps, budget=budget,
                                   interpret=implementation == "pallas_interpret")
