@@ -35,7 +35,8 @@ from jetspec_jax.autoregressive import GenerationConfig, prefill  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
-from jetspec_jax.speculative import ATTENTION_IMPLS, HeadDrafter, SpecConfig, speculative_generate  # noqa: E402
+from jetspec_jax.speculative import (ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, HeadDrafter, SpecConfig,  # noqa: E402
+                                     speculative_generate)
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
@@ -96,6 +97,8 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[512], help="committed tokens before the step")
     p.add_argument("--attention", nargs="+", default=["xla"], choices=ATTENTION_IMPLS,
                    help="verify attention paths to time")
+    p.add_argument("--draft-attention", nargs="+", default=["xla"], choices=DRAFT_ATTENTION_IMPLS,
+                   help="the head's attention paths to time (the first is the step's; the others add draft_ms_*)")
     p.add_argument("--iters", type=int, default=None, help="loop length (default 50; 8B: 10)")
     p.add_argument("--out", default="benchmarks/results/spec_step_breakdown.json")
     args = p.parse_args()
@@ -103,7 +106,7 @@ def main():
 
     dtype = default_dtype()
     cfg, params, head_cfg, head, description = load_models(args, dtype)
-    drafter = HeadDrafter(head_cfg, cfg)
+    drafter = HeadDrafter(head_cfg, cfg, attention_impl=args.draft_attention[0])
     depth, taps_wanted = head_cfg.max_depth, head_cfg.tap_layers
     b = args.batch
     payload = dict(benchmark="spec_step_breakdown", model=description, batch=b, width=args.width,
@@ -124,11 +127,16 @@ def main():
 
         anchor, cache, ctx = setup(params, head, prompt, lens)
 
-        def draft_body(i, anchor, head, params, ctx):  # the next anchor depends on the draft: nothing hoists
-            logits = drafter.propose(head, ctx, params, None, anchor, depth)
-            return (anchor + jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)) % cfg.vocab_size
+        def draft_ms_with(attention_impl):
+            other = dataclasses.replace(drafter, attention_impl=attention_impl)
 
-        draft_ms = per_iteration_ms(draft_body, anchor, iters, head, params, ctx)
+            def draft_body(i, anchor, head, params, ctx):  # the next anchor depends on the draft: nothing hoists
+                logits = other.propose(head, ctx, params, None, anchor, depth)
+                return (anchor + jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)) % cfg.vocab_size
+            return per_iteration_ms(draft_body, anchor, iters, head, params, ctx)
+
+        draft_ms = draft_ms_with(args.draft_attention[0])
+        other_drafts = {f"draft_ms_{impl}": draft_ms_with(impl) for impl in args.draft_attention[1:]}
         draft_logits = jax.jit(lambda h, p, c, a: drafter.propose(h, c, p, None, a, depth))(head, params, ctx, anchor)
         for impl in args.attention:
             def ar_body(i, cache, params, anchor, impl=impl):
@@ -140,11 +148,13 @@ def main():
             state = ContextState(args, cfg, params, head, drafter, anchor, cache, ctx, draft_logits, prompt, lens,
                                  cache_len, iters)
             for budget in args.budgets:
-                rows.append(dict(stage_row(state, budget, impl), draft_ms=draft_ms, ar_step_ms=ar_ms))
+                rows.append(dict(stage_row(state, budget, impl), draft_ms=draft_ms, **other_drafts, ar_step_ms=ar_ms,
+                                 draft_attention=args.draft_attention[0]))
                 finish_row(rows[-1], budget)
                 print(rows[-1], flush=True)
                 write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
-    print_table(rows, ["context", "attention", "budget", "draft_ms", "tree_builder", "tree_ms"]
+    print_table(rows, ["context", "attention", "budget", "draft_ms"]
+                + [f"draft_ms_{impl}" for impl in args.draft_attention[1:]] + ["tree_builder", "tree_ms"]
                 + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
                 + ["verify_ms", "accept_commit_ms"] + [f"accept_commit_ms_{c}" for c in args.compactions[1:]]
                 + ["sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])

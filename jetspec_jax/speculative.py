@@ -29,6 +29,7 @@ from jetspec_jax.tree import top_candidates, validate_tree_settings
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
 
 ATTENTION_IMPLS = qwen3.ATTENTION_IMPLS
+DRAFT_ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")  # the head's: dense mask or the tree kernel
 
 METHODS = ("jetspec", "ddtree", "dflash")
 
@@ -73,9 +74,13 @@ class HeadDrafter:
 
     cfg: draft_head.DraftConfig
     target_cfg: qwen3.Config
+    attention_impl: str = "xla"  # one of DRAFT_ATTENTION_IMPLS; the kernel is not yet timed here
 
     def __post_init__(self):
         draft_head.check_pairing(self.cfg, self.target_cfg)
+        if self.attention_impl not in DRAFT_ATTENTION_IMPLS:
+            raise ValueError(f"draft attention_impl {self.attention_impl!r} is not one of "
+                             f"{', '.join(DRAFT_ATTENTION_IMPLS)}")
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -86,14 +91,15 @@ class HeadDrafter:
         return self.cfg.max_depth
 
     def init_state(self, params, batch: int, max_len: int, dtype):
-        return draft_head.DraftContext.create(self.cfg, batch, max_len, dtype)
+        # block_size rows more: the kernel path writes the block past the longest context
+        return draft_head.DraftContext.create(self.cfg, batch, max_len + self.cfg.block_size, dtype)
 
     def observe(self, params, state, taps, counts):
         return draft_head.extend_context(params, state, taps, counts, self.cfg)
 
     def propose(self, params, state, target_params, target_cache: KVCache, anchor, num_depths: int):
         return draft_head.draft_logits(params, target_params, self.target_cfg, anchor, state, self.cfg,
-                                       num_depths=num_depths)
+                                       num_depths=num_depths, attention_impl=self.attention_impl)
 
 
 class SpecOutput(NamedTuple):

@@ -245,3 +245,5 @@ def test_bad_speculative_settings(tiny_qwen3):
         HeadDrafter(head_for(vocab_size=50), target.cfg)
     with pytest.raises(ValueError, match="tap layers .* do not exist in a 3-layer target"):
         HeadDrafter(head_for(num_layers=12), target.cfg)
+    with pytest.raises(ValueError, match="draft attention_impl 'cudnn' is not one of xla, pallas"):
+        HeadDrafter(head_for(), target.cfg, attention_impl="cudnn")

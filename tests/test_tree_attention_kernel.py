@@ -142,3 +142,33 @@ def test_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
         lowering_platforms=("cuda",)))
     for module in modules:
         assert module.operation.verify()
+
+
+@pytest.mark.parametrize("attention", ["causal", "bidirectional", "tree"])
+def test_draft_head_through_the_kernel_equals_dense_mask(tiny_qwen3, attention):
+    """The head's attention as tree attention (block written past each context, any block mask)
+    gives the dense-mask head's logits, on a batch of two context lengths."""
+    from drafters import random_head
+
+    from jetspec_jax.autoregressive import prefill
+    from jetspec_jax.models import draft_head
+
+    target, _ = tiny_qwen3
+    drafter, head = random_head(target.cfg, jax.random.key(4), attention="causal", num_layers=2)
+    cfg = drafter.cfg
+    block_mask = None
+    if attention == "bidirectional":
+        block_mask = jnp.ones((cfg.block_size, cfg.block_size), bool)
+    elif attention == "tree":  # slots 1-3 a chain off the anchor, 4-7 a second chain: a tree-causal mask
+        parents = np.array([-1, 0, 1, 2, 0, 4, 5, 6])[:cfg.block_size]
+        block_mask = jnp.asarray(ancestors_from_parents(parents))
+    seq = jnp.asarray([[3, 9, 27, 81, 14, 42, 5, 6, 7, 8, 11], [4, 8, 15, 16, 23, 42, 0, 0, 0, 0, 0]])
+    lengths = jnp.asarray([11, 6])
+    _, taps, _ = prefill(target.params, seq, lengths, target.cfg, 32, tap_layers=cfg.tap_layers)
+    ctx = drafter.init_state(head, 2, 24, jnp.float32)
+    ctx = draft_head.extend_context(head, ctx, taps, lengths - 1, cfg)
+    anchor = jnp.asarray([11, 42])
+    want = draft_head.draft_logits(head, target.params, target.cfg, anchor, ctx, cfg, block_mask=block_mask)
+    got = draft_head.draft_logits(head, target.params, target.cfg, anchor, ctx, cfg, block_mask=block_mask,
+                                  attention_impl="pallas_interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
 from jetspec_jax.kv_cache import write_block
 from jetspec_jax.models import qwen3
 from jetspec_jax.models.params import ParamSpec
@@ -218,6 +219,20 @@ def head_layer(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, c
     return qwen3.finish_layer(x, attn, layer, layer_cfg, 0)
 
 
+def head_layer_tree_attention(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
+                              lengths: jax.Array, block_words: jax.Array, cos: jax.Array, sin: jax.Array,
+                              cfg: DraftConfig, implementation: str) -> jax.Array:
+    """`head_layer` through tree attention: the block's keys/values go into copies of the context
+    buffers at rows lengths .. lengths+T-1 (past the committed context: scratch that extend_context
+    overwrites), where the block slots attend as tree nodes; block_words (B, T, W) is the block mask
+    packed by `pack_tree_mask`, any pattern. Needs lengths + T <= the buffers' rows."""
+    layer_cfg = cfg.layer_config()
+    q, k, v = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
+    keys, values = write_block(ctx_k, k, lengths), write_block(ctx_v, v, lengths)
+    attn = tree_attention(q.astype(keys.dtype), keys, values, lengths, block_words, implementation=implementation)
+    return qwen3.finish_layer(x, attn.astype(q.dtype), layer, layer_cfg, 0)
+
+
 def block_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any], anchor: jax.Array,
                      cfg: DraftConfig) -> jax.Array:
     """[anchor, MASK x (block-1)] embedded with the target's table: (B, block, D)."""
@@ -231,11 +246,15 @@ def block_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any]
 
 def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
                  anchor: jax.Array, ctx: DraftContext, cfg: DraftConfig, *,
-                 block_mask: jax.Array | None = None, num_depths: int | None = None) -> jax.Array:
+                 block_mask: jax.Array | None = None, num_depths: int | None = None,
+                 attention_impl: str = "xla") -> jax.Array:
     """One head pass over [anchor, MASK...] at positions ctx.lengths + i.
 
     Returns fp32 logits (B, num_depths, V) for depths 1..num_depths (default block-1).
     block_mask (block, block) or (B, block, block) overrides the configured attention pattern.
+    attention_impl "xla": a dense mask over [context ; block]; otherwise a tree_attention
+    implementation ("pallas", "pallas_interpret"), which needs block_size rows free past every
+    ctx.lengths (`HeadDrafter` allocates them).
     """
     b = anchor.shape[0]
     x = block_embeddings(params, target_params, anchor, cfg)
@@ -244,12 +263,24 @@ def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], ta
     if block_mask is None:
         block_mask = jnp.asarray(cfg.block_mask())
     block_mask = jnp.broadcast_to(block_mask.astype(bool), (b, cfg.block_size, cfg.block_size))
+    if attention_impl != "xla":
+        words = pack_tree_mask(block_mask)
+        for i, layer in enumerate(params["layers"]):
+            x = head_layer_tree_attention(x, layer, ctx.k[i], ctx.v[i], ctx.lengths, words, cos, sin, cfg,
+                                          attention_impl)
+        return _depth_logits(params, target_params, target_cfg, x, cfg, num_depths)
     ctx_len = ctx.k[0].shape[1]
     ctx_visible = jnp.arange(ctx_len)[None, :] < ctx.lengths[:, None]  # (B, C)
     mask = jnp.concatenate(
         [jnp.broadcast_to(ctx_visible[:, None, :], (b, cfg.block_size, ctx_len)), block_mask], axis=2)
     for i, layer in enumerate(params["layers"]):
         x = head_layer(x, layer, ctx.k[i], ctx.v[i], mask, cos, sin, cfg)
+    return _depth_logits(params, target_params, target_cfg, x, cfg, num_depths)
+
+
+def _depth_logits(params, target_params, target_cfg: qwen3.Config, x: jax.Array, cfg: DraftConfig,
+                  num_depths: int | None) -> jax.Array:
+    """Final norm and the target's LM head on block slots 1..num_depths (default block-1)."""
     depths = cfg.max_depth if num_depths is None else num_depths
     hidden = qwen3.rms_norm(x[:, 1: depths + 1], params["final_norm"], cfg.rms_norm_eps)
     return qwen3.lm_logits(target_params, hidden, target_cfg)
