@@ -22,6 +22,10 @@ shapes (by `gpu_busy_us`), and each shape is then timed with its class's best.
 Bytes: q, the L+N rows of K and V, and the output; FLOPs: 4 * N * (L+N) * H * D. Ceilings: 4.3 TB/s
 copy bandwidth and 790 TFLOP/s bf16 measured on this H200.
 
+"tokamax_mosaic" and "tokamax_triton" are tokamax's dot_product_attention (0.0.12, where its wheels
+were carried) with the same dense mask as the XLA path; an implementation that rejects the mask or
+shape is reported with its error.
+
 "mosaic_fa3_nomask" is jax.experimental.pallas.ops.gpu.attention_mgpu (Hopper, warp-specialised,
 wgmma) run with NO tree mask, q padded to 128 rows and K/V to a multiple of 128, in fp16 (in bf16
 it raised a dtype error inside the kernel with jax 0.11.2): it does more work than a tree kernel
@@ -80,6 +84,19 @@ def mosaic_fa3():
     return run
 
 
+def tokamax_attention(implementation: str):
+    """tokamax's dot_product_attention with a dense (B, N, S) mask, or None where its wheel is not
+    installed (not a dependency: benchmarks/h200_kernel_bench.sh installs the carried wheels)."""
+    try:
+        import tokamax
+    except ImportError:
+        return None
+
+    def run(q, k, v, mask):
+        return tokamax.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
+    return run
+
+
 def kernel_only(q, k, v, lengths, anc, kernel_impl, tuning):
     """The pallas_call without the layout and merge around it (where the time goes). Its chain state
     is the kernel's q input; one slice-and-cast op per call links the chain."""
@@ -126,6 +143,10 @@ def paths_for(q, k, v, lengths, anc, kernel_impl, tuning, baseline=None):
         paths["cudnn"] = (lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None],
                                                                           implementation="cudnn"),
                           (k, v, dense), q)
+        for impl in ("mosaic", "triton"):  # an implementation that rejects the call is reported
+            run = tokamax_attention(impl)
+            if run is not None:
+                paths[f"tokamax_{impl}"] = (run, (k, v, dense), q)
         fa3 = mosaic_fa3()
         if fa3 is not None:
             s_pad = -(-s // 128) * 128
