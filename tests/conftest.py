@@ -3,6 +3,7 @@ so every test goes through the real loader, and the embedded SmolLM2 model."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Eight fake CPU devices for the sharding tests; set before jax starts. Unsharded code uses device 0.
@@ -12,6 +13,16 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Drops JAX's caches after each test file. Every compiled CPU program keeps memory mappings;
+    the whole suite in one process passed Linux's 65,530 per process (vm.max_map_count) around
+    test_tree_build_kernel, where XLA's compiler then died with a segfault."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 TINY_COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
