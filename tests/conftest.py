@@ -18,8 +18,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_programs():
     """Drops JAX's caches after each test file. Every compiled CPU program keeps memory mappings;
-    the whole suite in one process passed Linux's 65,530 per process (vm.max_map_count) around
-    test_tree_build_kernel, where XLA's compiler then died with a segfault."""
+    without this the suite reached Linux's limit of 65,530 per process (vm.max_map_count) in the
+    kernel tests, where XLA's compiler then segfaulted (63,593 mappings seen just before)."""
     yield
     jax.clear_caches()
     gc.collect()
