@@ -11,10 +11,7 @@
 set -u
 . benchmarks/h200_env.sh
 out=${OUT:-/tmp}
-if [ -d .carry/tokamax ]; then
-  pip install -q --no-index --find-links .carry/tokamax tokamax==0.0.12 > "$out/tokamax_install.log" 2>&1 ||
-    echo "tokamax did not install (see tokamax_install.log): timed without it"
-fi
+install_carried_tokamax "$out/tokamax_install.log"
 gpu=0
 for shape in qwen3-8b smollm2-135m; do
   CUDA_VISIBLE_DEVICES=$gpu timeout "${1:-540}" python benchmarks/tree_attention_bench.py --shapes "$shape" \
