@@ -86,7 +86,7 @@ def mosaic_fa3():
 
 def tokamax_attention(implementation: str):
     """tokamax's dot_product_attention with a dense (B, N, S) mask, or None where its wheel is not
-    installed (not a dependency: benchmarks/h200_kernel_bench.sh installs the carried wheels)."""
+    installed (not a dependency: the device scripts' install_carried_tokamax installs the carried wheels)."""
     try:
         import tokamax
     except ImportError:

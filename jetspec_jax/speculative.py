@@ -91,8 +91,9 @@ class HeadDrafter:
         return self.cfg.max_depth
 
     def init_state(self, params, batch: int, max_len: int, dtype):
-        # block_size rows more: the kernel path writes the block past the longest context
-        return draft_head.DraftContext.create(self.cfg, batch, max_len + self.cfg.block_size, dtype)
+        # the kernel path writes the block past the longest context: block_size rows more for it
+        spare = 0 if self.attention_impl == "xla" else self.cfg.block_size
+        return draft_head.DraftContext.create(self.cfg, batch, max_len + spare, dtype)
 
     def observe(self, params, state, taps, counts):
         return draft_head.extend_context(params, state, taps, counts, self.cfg)

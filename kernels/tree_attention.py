@@ -196,9 +196,9 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
         # volatile: read past this multiprocessor's L1, which is not coherent with the others' stores
         # (cache_modifier=".cg" would, but jax 0.10-0.11 look it up under the wrong key)
         at = [tile + (jnp.int32(p),) for p in range(part_lse_ref.shape[3])]  # int32: interpret mode's indexer
-        parts = [(plgpu.load(part_o_ref.at[i], volatile=True).astype(jnp.float32),
-                  plgpu.load(part_lse_ref.at[i], volatile=True)) for i in at]
-        o_ref[...] = combine_partials([o for o, _ in parts], [x for _, x in parts]).astype(o_ref.dtype)
+        outs = [plgpu.load(part_o_ref.at[i], volatile=True).astype(jnp.float32) for i in at]
+        lses = [plgpu.load(part_lse_ref.at[i], volatile=True) for i in at]
+        o_ref[...] = combine_partials(outs, lses).astype(o_ref.dtype)
 
 
 def next_power_of_two(x: int) -> int:
