@@ -23,13 +23,14 @@ mkdir -p "$run"
 # the shipped heads' recipe (train/results/*/RESULTS.md), the cosine schedule planned over STEPS
 common=("data.data_dir=${TRAIN_DATA:-.carry/data}" "data.regen_dir=$run/regen" data.max_new_tokens=320 data.max_prompt_tokens=256
         'data.sources={"gsm8k":-1,"math":3000,"mbpp":-1,"chat":-1}' "run.out_dir=$run" "optim.total_steps=$steps")
-minutes_left() { echo $(( (deadline - $(date +%s) - 60) / 60 )); }
+seconds_left() { echo $(( deadline - $(date +%s) - 60 )); }  # a minute kept for the archives
+minutes_left() { awk -v s="$(seconds_left)" 'BEGIN { printf "%.2f", s / 60 }'; }
 
 CUDA_VISIBLE_DEVICES=0 within python -m jetspec_jax.train --config smollm2-135m-jetspec --stage regenerate \
   "${common[@]}" >> "$run/regenerate.log" 2>&1
 for head in jetspec dflash; do
   gpu=$([ "$head" = jetspec ] && echo 0 || echo 1)
-  [ "$(minutes_left)" -ge 1 ] && CUDA_VISIBLE_DEVICES=$gpu within python -m jetspec_jax.train \
+  [ "$(seconds_left)" -ge 60 ] && CUDA_VISIBLE_DEVICES=$gpu within python -m jetspec_jax.train \
     --config "smollm2-135m-$head" --stage train "${common[@]}" "run.max_minutes=$(minutes_left)" \
     "run.export_head=$run/heads/smollm2-135m-$head" >> "$run/train-$head.log" 2>&1 &
 done
