@@ -89,8 +89,11 @@ def tokamax_attention(implementation: str):
     installed (not a dependency: the device scripts' install_carried_tokamax installs the carried wheels)."""
     try:
         import tokamax
+        from absl import flags
     except ImportError:
         return None
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, which would parse (and reject) our argv
+        flags.FLAGS.mark_as_parsed()
 
     def run(q, k, v, mask):
         return tokamax.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
