@@ -46,7 +46,7 @@ def eval_prompt_ids(tokenizer, benchmarks, data_dir) -> dict[tuple[str, str], li
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c)] + [len(fmt(r.get(c))) for r in rows]) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))

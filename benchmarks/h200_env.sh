@@ -21,8 +21,10 @@ unpack_archived() {
   done
 }
 
-install_carried_tokamax() {
+install_carried_tokamax() {  # python -m pip: the image's bare `pip` belongs to another interpreter
   [ -d .carry/tokamax ] || return 0
-  pip install -q --no-index --find-links .carry/tokamax tokamax==0.0.12 > "$1" 2>&1 ||
-    echo "tokamax did not install (see $1): timed without it"
+  { python -m pip install -q --no-index --no-deps .carry/tokamax/tokamax-*.whl &&
+    python -m pip install -q --no-index --find-links .carry/tokamax "absl-py>=2.3.0" einshape "jaxtyping>=0.3" \
+      "pydantic>=2.11.0" "qwix>=0.1.2" tqdm immutabledict tensorboardx && export PYTHONPATH=$PYTHONPATH:$PWD/.carry/tokamax/shim &&
+    python -c "import tokamax"; } > "$1" 2>&1 || echo "tokamax did not install (see $1): timed without it"
 }

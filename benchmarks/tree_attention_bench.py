@@ -276,6 +276,9 @@ def main():
     p.add_argument("--shapes", nargs="+", choices=list(HEAD_SHAPES), default=list(HEAD_SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--targets-only", action="store_true", help="time only the issue's two target shapes")
+    p.add_argument("--paths", nargs="+", default=None,
+                   help="time only these paths (e.g. pallas tokamax_mosaic); default: every path")
+    p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep: the kernel's default tuning")
     p.add_argument("--baseline-kernel", default=None,
                    help="an earlier kernels/tree_attention.py (saved with git show) to time alongside")
     args = p.parse_args()
@@ -295,7 +298,8 @@ def main():
                    baseline_kernel=args.baseline_kernel, environment=environment())
     if not args.quick:
         payload["kernel_max_abs_error_vs_reference"] = check_kernel(args.kernel_impl, TreeAttentionTuning(), dtype)
-    best = tuning_sweep(args, dtype, payload)
+    best = ({"tree": TreeAttentionTuning(), "decode": TreeAttentionTuning()} if args.no_sweep
+            else tuning_sweep(args, dtype, payload))
     payload["tuning"] = {cls: tuning_name(t) for cls, t in best.items()}
     rng = np.random.default_rng(0)
     for shape_name, (heads, kv_heads, d) in shapes.items():
@@ -309,6 +313,8 @@ def main():
             cls = call_class(heads, kv_heads, n)
             for name, (fn, rest, x) in paths_for(q, k, v, lengths, anc, args.kernel_impl, best[cls],
                                                      baseline).items():
+                if args.paths is not None and name not in args.paths:
+                    continue
                 base = dict(shape=shape_name, batch=batch, L=prefix, N=n, path=name, target_us=target)
                 measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload,
                         also_while_loop=target is not None and name in ("pallas", "one_op_floor"))
