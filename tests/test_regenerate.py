@@ -1,5 +1,6 @@
 """Training-prompt loading and regeneration: caps, the MBPP train filter, shards that round-trip and
-match `generate` at temperature 0, resumption without rewriting, and seeded sampling."""
+match `generate` at temperature 0, resumption without rewriting, seeded sampling, and several sampled
+answers per prompt."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import pytest
 
 from jetspec_jax.generate import generate
+from jetspec_jax.train.data import split_heldout
 from jetspec_jax.train.regenerate import (DEFAULT_DATA_DIR, MANIFEST_FILE, load_training_prompts, read_shards,
                               regenerate)
 
@@ -98,6 +100,30 @@ def test_sampled_regeneration_is_seeded(embedded_target, tmp_path):
     second = regenerate(embedded_target, PROMPTS, str(tmp_path / "b"), temperature=1.0, **SETTINGS)
     assert read_shards(str(tmp_path / "a")) == read_shards(str(tmp_path / "b"))
     assert first["settings"] == second["settings"]
+
+
+def test_several_samples_per_prompt(embedded_target, tmp_path):
+    manifest = regenerate(embedded_target, PROMPTS, str(tmp_path / "k"), temperature=1.0,
+                          **{**SETTINGS, "batch_size": 4, "samples_per_prompt": 3})
+    records = read_shards(str(tmp_path / "k"))
+    assert manifest["num_records"] == len(records) == 12 and manifest["counts"] == {"gsm8k": 6, "chat": 6}
+    assert manifest["settings"]["samples_per_prompt"] == 3
+    for p in PROMPTS:
+        mine = [r for r in records if (r["source"], r["id"]) == (p["source"], p["id"])]
+        assert sorted(r["sample"] for r in mine) == [0, 1, 2]
+        assert all(r["prompt_ids"] == mine[0]["prompt_ids"] for r in mine)
+    # independent draws: over 4 prompts x 8 tokens at T=1, a prompt's three answers are not all alike
+    assert any(len({tuple(r["completion_ids"]) for r in records if r["id"] == p["id"]
+                    and r["source"] == p["source"]}) > 1 for p in PROMPTS)
+    # the held-out split keys on the prompt: its answers never sit on both sides
+    for seed in range(5):
+        train, heldout = split_heldout(records, 0.5, seed)
+        assert train and heldout  # both sides hold prompts at these seeds, so the check below has teeth
+        assert not {(r["source"], r["id"]) for r in train} & {(r["source"], r["id"]) for r in heldout}
+    with pytest.raises(ValueError, match="samples_per_prompt=2 needs a temperature > 0"):
+        regenerate(embedded_target, PROMPTS, str(tmp_path / "g"), temperature=0.0,
+                   **{**SETTINGS, "samples_per_prompt": 2})
+    assert not os.path.exists(tmp_path / "g")  # refused before anything is written
 
 
 def test_changed_settings_regenerate_and_missing_manifest_is_explained(embedded_target, tmp_path):

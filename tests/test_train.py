@@ -164,3 +164,6 @@ def test_config_errors(tmp_path):
         load_config("tiny-cpu", ["optim.total_steps=many"])
     with pytest.raises(FileNotFoundError, match="available in train/configs"):
         load_config("no-such-config")
+    with pytest.raises(ValueError, match="samples_per_prompt=3 needs .* data.temperature > 0"):
+        load_config("tiny-cpu", ["data.samples_per_prompt=3", "data.temperature=0"])
+    assert load_config("tiny-cpu", ["data.samples_per_prompt=3", "data.temperature=0.8"]).data.samples_per_prompt == 3

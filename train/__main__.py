@@ -49,7 +49,8 @@ def main(argv=None) -> int:
             regenerate(target, prompts, regen_dir, max_new_tokens=cfg.data.max_new_tokens,
                        temperature=cfg.data.temperature, top_p=cfg.data.top_p, top_k=0, seed=cfg.run.seed,
                        batch_size=cfg.data.regen_batch_size, shard_size=1024,
-                       max_prompt_tokens=cfg.data.max_prompt_tokens)
+                       max_prompt_tokens=cfg.data.max_prompt_tokens,
+                       samples_per_prompt=cfg.data.samples_per_prompt)
         if args.stage in ("all", "train"):
             summary = train(cfg, target, read_shards(regen_dir))
             print(json.dumps(summary, indent=2))

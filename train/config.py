@@ -26,6 +26,7 @@ class DataConfig:
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
+    samples_per_prompt: int = 1  # answers per training prompt; > 1 needs temperature > 0 (more, varied data)
     regen_batch_size: int = 64
     max_prompt_tokens: int = 512
     seq_len: int = 768  # prompt + completion, truncated/padded to this
@@ -160,4 +161,7 @@ def load_config(path: str, overrides: list[str] = ()) -> TrainConfig:
         raise ValueError(f"loss.kind {cfg.loss.kind!r} is not one of fkl, ce, rkl")
     if cfg.head.attention not in ("causal", "bidirectional"):
         raise ValueError(f"head.attention {cfg.head.attention!r} is not causal or bidirectional")
+    if cfg.data.samples_per_prompt < 1 or (cfg.data.samples_per_prompt > 1 and cfg.data.temperature == 0):
+        raise ValueError(f"data.samples_per_prompt={cfg.data.samples_per_prompt} needs to be 1, or > 1 with "
+                         f"data.temperature > 0 (greedy decoding gives the same answer every time)")
     return cfg

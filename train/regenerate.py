@@ -116,11 +116,18 @@ def prompts_fingerprint(prompts: Sequence[dict]) -> str:
 
 def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new_tokens: int,
                temperature: float, top_p: float, top_k: int, seed: int, batch_size: int, shard_size: int,
-               max_prompt_tokens: int, config_name: str | None = None) -> dict[str, Any]:
-    """Generates the target's completion of every prompt into `out_dir`; returns the manifest.
-    A directory whose manifest has the same settings is returned as it is (nothing regenerated)."""
+               max_prompt_tokens: int, samples_per_prompt: int = 1,
+               config_name: str | None = None) -> dict[str, Any]:
+    """Generates the target's completion of every prompt into `out_dir`, `samples_per_prompt` of them
+    each (records numbered by "sample"); returns the manifest. A directory whose manifest has the same
+    settings is returned as it is (nothing regenerated)."""
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if samples_per_prompt > 1 and temperature == 0:
+        raise ValueError(f"samples_per_prompt={samples_per_prompt} needs a temperature > 0 (data.temperature): "
+                         f"greedy decoding gives the same answer every time")
     max_positions = target.cfg.max_position_embeddings
     if max_prompt_tokens + max_new_tokens > max_positions:
         raise ValueError(f"max_prompt_tokens ({max_prompt_tokens}) + max_new_tokens ({max_new_tokens}) "
@@ -132,6 +139,7 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new
         "dtype": str(target.params["embed"].dtype), "sampling": dataclasses.asdict(sampling),
         "seed": seed, "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
         "batch_size": batch_size, "shard_size": shard_size, "num_prompts": len(prompts),
+        "samples_per_prompt": samples_per_prompt,
         "prompts_sha256": prompts_fingerprint(prompts)}))
     manifest_path = os.path.join(out_dir, MANIFEST_FILE)
     if os.path.isfile(manifest_path):
@@ -148,6 +156,8 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new
         skipped[p["source"]] += len(ids) > max_prompt_tokens
     kept = sorted((i for i, ids in enumerate(prompt_ids) if len(ids) <= max_prompt_tokens),
                   key=lambda i: (len(prompt_ids[i]), i))  # similar lengths share a batch: less padding
+    # A prompt's samples sit side by side; each row of a batch draws its own tokens.
+    jobs = [(i, sample) for i in kept for sample in range(samples_per_prompt)]
     eos = stop_tokens(target)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos,
                            pad_token_id=pad_token(target))
@@ -155,9 +165,10 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new
     counts = {p["source"]: 0 for p in prompts}
     shards, pending, completion_tokens, finished_count = [], [], 0, 0
     start = time.perf_counter()
-    progress = tqdm(total=len(kept), unit="prompt", desc="regenerate", dynamic_ncols=True)
-    for batch_index, first in enumerate(range(0, len(kept), batch_size)):
-        rows = kept[first:first + batch_size]
+    progress = tqdm(total=len(jobs), unit="answer", desc="regenerate", dynamic_ncols=True)
+    for batch_index, first in enumerate(range(0, len(jobs), batch_size)):
+        batch_jobs = jobs[first:first + batch_size]
+        rows = [i for i, _ in batch_jobs]
         padded_rows = rows + [rows[0]] * (batch_size - len(rows))  # one batch shape: no extra compile
         tokens, lengths = pad_prompts([prompt_ids[i] for i in padded_rows], gen.pad_token_id,
                                       PROMPT_BUCKET)
@@ -167,15 +178,15 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new
         out = generate_tokens(target.params, tokens, lengths, jax.random.fold_in(base_key, batch_index),
                               cfg=target.cfg, gen=gen, cache_len=cache_len)
         completions = trim_generated(np.asarray(out.tokens), np.asarray(out.num_tokens))
-        for i, completion in zip(rows, completions):
+        for (i, sample), completion in zip(batch_jobs, completions):
             finished = bool(completion) and completion[-1] in eos
             source, record_id = prompts[i]["source"], prompts[i]["id"]
-            pending.append({"source": source, "id": record_id, "prompt_ids": prompt_ids[i],
+            pending.append({"source": source, "id": record_id, "sample": sample, "prompt_ids": prompt_ids[i],
                             "completion_ids": completion, "finished": finished})
             counts[source] += 1
             completion_tokens += len(completion)
             finished_count += finished
-        while len(pending) >= shard_size or (pending and first + batch_size >= len(kept)):
+        while len(pending) >= shard_size or (pending and first + batch_size >= len(jobs)):
             shards.append(SHARD_PATTERN.format(len(shards)))
             write_atomic(os.path.join(out_dir, shards[-1]), [json.dumps(r) for r in pending[:shard_size]])
             pending = pending[shard_size:]
@@ -185,8 +196,8 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new
 
     manifest = {
         "settings": settings, "config_name": config_name, "target_path": target.source,
-        "counts": counts, "skipped_too_long": skipped, "num_records": len(kept),
-        "num_finished": finished_count, "num_prompt_tokens": sum(len(prompt_ids[i]) for i in kept),
+        "counts": counts, "skipped_too_long": skipped, "num_records": len(jobs),
+        "num_finished": finished_count, "num_prompt_tokens": sum(len(prompt_ids[i]) for i, _ in jobs),
         "num_completion_tokens": completion_tokens, "seconds": round(time.perf_counter() - start, 2),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shards": shards}
     write_atomic(manifest_path, [json.dumps(manifest, indent=2)])  # last: a manifest means complete
