@@ -22,7 +22,7 @@ shapes (by `gpu_busy_us`), and each shape is then timed with its class's best.
 Bytes: q, the L+N rows of K and V, and the output; FLOPs: 4 * N * (L+N) * H * D. Ceilings: 4.3 TB/s
 copy bandwidth and 790 TFLOP/s bf16 measured on this H200.
 
-"tokamax_mosaic" and "tokamax_triton" are tokamax's dot_product_attention (0.0.12, where its wheels
+"tokamax_mosaic" and "tokamax_triton" are tokamax's dot_product_attention (0.0.17, where its wheels
 were carried) with the same dense mask as the XLA path; an implementation that rejects the mask or
 shape is reported with its error.
 
