@@ -12,6 +12,8 @@ inference, and is scored against the answer that follows a:
   and the longest prefix of the answer it contains, plus one (tau if every position were a round's
   anchor); with the share of accepted tokens at depth >= 2 that are not the head's argmax there.
 Both heads are scored on the same anchors, so their numbers compare directly (one run).
+`--decode-check B` also decodes the same prompts speculatively at budget B with each head, to set
+the measured tau beside the teacher-forced one.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def main():
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--anchors-per-call", type=int, default=32)
+    p.add_argument("--decode-check", type=int, default=None, metavar="BUDGET",
+                   help="also decode speculatively at this budget and report the measured tau")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     p.add_argument("--out", default="benchmarks/results/head_rank_coverage.json")
     args = p.parse_args()
@@ -154,6 +158,20 @@ def main():
     for name, depth in per_depth.items():
         print(name, "top-1 by depth", depth["top1"])
         print(name, f"top-{args.width} by depth", depth["top_width"])
+    if args.decode_check is not None:
+        payload["decode_check"] = []
+        tree_tau = {(r["head"], r["budget"]): r["tree_tau"] for r in rows}
+        for d, head_cfg, head_params in heads:
+            name = os.path.basename(os.path.normpath(d))
+            method = "jetspec" if head_cfg.attention == "causal" else "ddtree"
+            out = generate(questions, target, method=method, head=(head_cfg, head_params), budget=args.decode_check,
+                           width=args.width, max_new_tokens=args.max_new_tokens)
+            payload["decode_check"].append(dict(
+                head=name, method=method, budget=args.decode_check, tau=out.tau,
+                teacher_forced_tree_tau=tree_tau.get((name, args.decode_check)),
+                outputs_equal_to_ar=sum(a == b for a, b in zip(out.token_ids, ar.token_ids))))
+        print_table(payload["decode_check"], ["head", "method", "budget", "tau", "teacher_forced_tree_tau",
+                                              "outputs_equal_to_ar"])
     write_json_atomic(args.out, payload)
 
 
