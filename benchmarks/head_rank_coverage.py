@@ -2,8 +2,8 @@
 
     python benchmarks/head_rank_coverage.py --benchmark gsm8k --out benchmarks/results/head_rank_coverage_cpu_gsm8k.json
 
-The target answers the first N prompts of an eval benchmark greedily (never trained on). At every answer
-position a, each head drafts from anchor a with the context of positions < a, exactly as in
+The target answers the first N prompts of an eval benchmark greedily (never trained on). At every
+answer position a, each head drafts from anchor a with the context of positions < a, exactly as in
 inference, and is scored against the answer that follows a:
 - coverage: how often the target's token at depth d is among the head's top r at that depth;
 - chain acceptance: the answer's prefix that the head's argmax at each depth gets right, plus one
@@ -39,13 +39,10 @@ from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
 from jetspec_jax.tree import build_tree, top_candidates  # noqa: E402
 from jetspec_jax.verify import accept  # noqa: E402
 
-MAX_RANK = 8  # ranks past the tree's width are pooled here
-
-
 @functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "width"))
 def draft_ranks(head_params, target_params, tokens, anchors, *, target_cfg, head_cfg, width):
     """For one sequence (1, S) and anchors (1, K): the top-`width` lists (K, D, W) and the rank of the
-    sequence's own token at each depth (K, D; 1 = argmax, MAX_RANK = beyond)."""
+    sequence's own token at each depth (K, D; 1 = argmax, width + 1 = not in the list)."""
     s = tokens.shape[1]
     cache = qwen3.new_cache(target_cfg, 1, s, target_params["embed"].dtype)
     positions = jnp.arange(s, dtype=jnp.int32)[None]
@@ -56,7 +53,7 @@ def draft_ranks(head_params, target_params, tokens, anchors, *, target_cfg, head
     label_pos = jnp.clip(anchors[0][:, None] + jnp.arange(1, head_cfg.max_depth + 1), 0, s - 1)
     labels = tokens[0][label_pos]  # (K, D)
     label_lp = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)
-    rank = jnp.minimum(jnp.sum(log_probs > label_lp, axis=-1) + 1, MAX_RANK)
+    rank = jnp.minimum(jnp.sum(log_probs > label_lp, axis=-1) + 1, width + 1)
     cand_tokens, cand_logps = top_candidates(log_probs, width)
     return cand_tokens, cand_logps, rank, labels
 
@@ -78,6 +75,11 @@ def tree_acceptance(anchor_tokens, cand_tokens, cand_logps, labels, valid, *, bu
     depth = jnp.arange(2, cand_tokens.shape[1] + 1)
     off_argmax = (path_tokens != argmax_tokens) & (depth[None] <= result.accept_len[:, None])
     return result.accept_len, jnp.sum(off_argmax, axis=1)
+
+
+def leading_true(flags: np.ndarray) -> np.ndarray:
+    """(K, D) bools -> (K,) count of leading Trues per row."""
+    return np.argmin(np.concatenate([flags, np.zeros((len(flags), 1), bool)], axis=1), axis=1)
 
 
 def main():
@@ -107,46 +109,47 @@ def main():
                      off_argmax={b: 0 for b in args.budgets}) for d, _, _ in heads}
     for prompt_ids, answer in zip(ar.prompt_token_ids, ar.token_ids):
         seq = list(prompt_ids) + list(answer)
-        first, last = len(prompt_ids), len(seq) - 2  # as in decoding: the first anchor is the first answer token
+        # padded to a multiple of 128 (fewer shapes to compile); no anchor sees past its own position
+        tokens = jnp.asarray(np.pad(seq, (0, -len(seq) % 128)), jnp.int32)[None]
+        first, last = len(prompt_ids), len(seq) - 2  # as in decoding, the first anchor is the first answer token
         for start in range(first, last + 1, args.anchors_per_call):
             anchors = np.arange(start, min(start + args.anchors_per_call, last + 1), dtype=np.int32)
             k = len(anchors)
             padded = np.pad(anchors, (0, args.anchors_per_call - k), constant_values=anchors[-1])  # one shape
-            # padded to a multiple of 128 (fewer shapes to compile); no anchor sees past its own position
-            tokens = jnp.asarray(np.pad(seq, (0, -len(seq) % 128)), jnp.int32)[None]
             for d, head_cfg, head_params in heads:
                 cand_tokens, cand_logps, rank, labels = draft_ranks(
                     head_params, target.params, tokens, jnp.asarray(padded)[None], target_cfg=target.cfg,
                     head_cfg=head_cfg, width=args.width)
                 valid = (padded[:, None] + np.arange(1, head_cfg.max_depth + 1)[None]) < len(seq)
                 rank, valid_k = np.asarray(rank)[:k], valid[:k]
-                counts = np.stack([np.bincount(rank[:, j][valid_k[:, j]], minlength=MAX_RANK + 1)[1:]
-                                   for j in range(head_cfg.max_depth)])  # (D, MAX_RANK)
-                s = stats[d]
-                s["rank_counts"] = counts if s["rank_counts"] is None else s["rank_counts"] + counts
-                right = (rank == 1) & valid_k
-                s["chain"].extend(np.argmin(np.concatenate([right, np.zeros((k, 1), bool)], axis=1), axis=1).tolist())
+                counts = np.stack([np.bincount(rank[:, j][valid_k[:, j]], minlength=args.width + 2)[1:]
+                                   for j in range(head_cfg.max_depth)])  # (D, width + 1)
+                head_stats = stats[d]
+                if head_stats["rank_counts"] is not None:
+                    counts += head_stats["rank_counts"]
+                head_stats["rank_counts"] = counts
+                head_stats["chain"].extend(leading_true((rank == 1) & valid_k).tolist())
                 for budget in args.budgets:
                     accepted, off = tree_acceptance(tokens[0][padded], cand_tokens, cand_logps,
                                                     labels, jnp.asarray(valid), budget=budget)
-                    s["accepted"][budget].extend(np.asarray(accepted)[:k].tolist())
-                    s["off_argmax"][budget] += int(np.asarray(off)[:k].sum())
+                    head_stats["accepted"][budget].extend(np.asarray(accepted)[:k].tolist())
+                    head_stats["off_argmax"][budget] += int(np.asarray(off)[:k].sum())
 
     rows, per_depth = [], {}
     for d, head_cfg, _ in heads:
-        s = stats[d]
-        counts = s["rank_counts"]
-        cover = np.cumsum(counts, axis=1) / np.maximum(counts.sum(axis=1, keepdims=True), 1)  # (D, MAX_RANK)
+        head_stats = stats[d]
+        counts = head_stats["rank_counts"]
+        cover = np.cumsum(counts, axis=1) / np.maximum(counts.sum(axis=1, keepdims=True), 1)  # (D, width + 1)
         name = os.path.basename(os.path.normpath(d))
         per_depth[name] = dict(attention=head_cfg.attention, top1=cover[:, 0].round(4).tolist(),
                                top_width=cover[:, args.width - 1].round(4).tolist(),
                                rank_counts=counts.tolist())
         for budget in args.budgets:
-            acc = np.asarray(s["accepted"][budget])
+            acc = np.asarray(head_stats["accepted"][budget])
+            beyond_depth_1 = max(int(np.maximum(acc - 1, 0).sum()), 1)
             rows.append(dict(head=name, attention=head_cfg.attention, budget=budget, anchors=len(acc),
-                             tree_tau=float(acc.mean() + 1), chain_tau=float(np.mean(s["chain"]) + 1),
-                             off_argmax_share=s["off_argmax"][budget] / max(
-                                 int(np.maximum(acc - 1, 0).sum()), 1),
+                             tree_tau=float(acc.mean() + 1), chain_tau=float(np.mean(head_stats["chain"]) + 1),
+                             off_argmax_share=head_stats["off_argmax"][budget] / beyond_depth_1,
                              top1_d1=float(cover[0, 0]), top1_d2_5=float(cover[1:5, 0].mean()),
                              topw_d2_5=float(cover[1:5, args.width - 1].mean()),
                              rank2_w_d2_5=float((cover[1:5, args.width - 1] - cover[1:5, 0]).mean())))
