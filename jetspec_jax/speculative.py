@@ -74,7 +74,7 @@ class HeadDrafter:
 
     cfg: draft_head.DraftConfig
     target_cfg: qwen3.Config
-    attention_impl: str = "xla"  # one of DRAFT_ATTENTION_IMPLS; the kernel saves ~11% of a draft on the H200 (README)
+    attention_impl: str = "xla"  # one of DRAFT_ATTENTION_IMPLS; "pallas" drafts ~11% faster on the H200
 
     def __post_init__(self):
         draft_head.check_pairing(self.cfg, self.target_cfg)

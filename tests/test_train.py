@@ -166,4 +166,5 @@ def test_config_errors(tmp_path):
         load_config("no-such-config")
     with pytest.raises(ValueError, match="samples_per_prompt=3 needs .* data.temperature > 0"):
         load_config("tiny-cpu", ["data.samples_per_prompt=3", "data.temperature=0"])
-    assert load_config("tiny-cpu", ["data.samples_per_prompt=3", "data.temperature=0.8"]).data.samples_per_prompt == 3
+    sampled = load_config("tiny-cpu", ["data.samples_per_prompt=3", "data.temperature=0.8"])
+    assert sampled.data.samples_per_prompt == 3
