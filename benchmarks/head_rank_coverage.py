@@ -33,21 +33,25 @@ from common import environment, print_table, write_json_atomic  # noqa: E402
 from jetspec_jax.eval.datasets import BENCHMARKS, load_benchmark  # noqa: E402
 from jetspec_jax.generate import generate  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
-from jetspec_jax.models import draft_head, qwen3  # noqa: E402
+from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
+from jetspec_jax.models import draft_head  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
-from jetspec_jax.tree import build_tree, top_candidates  # noqa: E402
+from jetspec_jax.train.trainer import teacher  # noqa: E402
+from jetspec_jax.tree import top_candidates  # noqa: E402
 from jetspec_jax.verify import accept  # noqa: E402
 
+@functools.partial(jax.jit, static_argnames=("target_cfg", "tap_layers"))
+def target_taps(target_params, tokens, *, target_cfg, tap_layers):
+    """The target's tapped layers over a whole sequence (1, S), as training computes them."""
+    return teacher(target_params, target_cfg, tokens, jnp.zeros((1, 1), jnp.int32), tap_layers)[1]
+
+
 @functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "width"))
-def draft_ranks(head_params, target_params, tokens, anchors, *, target_cfg, head_cfg, width):
-    """For one sequence (1, S) and anchors (1, K): the top-`width` lists (K, D, W) and the rank of the
-    sequence's own token at each depth (K, D; 1 = argmax, width + 1 = not in the list)."""
+def draft_ranks(head_params, target_params, tokens, taps, anchors, *, target_cfg, head_cfg, width):
+    """For one sequence (1, S), its taps and anchors (1, K): the top-`width` lists (K, D, W) and the
+    rank of the sequence's own token at each depth (K, D; 1 = argmax, width + 1 = not in the list)."""
     s = tokens.shape[1]
-    cache = qwen3.new_cache(target_cfg, 1, s, target_params["embed"].dtype)
-    positions = jnp.arange(s, dtype=jnp.int32)[None]
-    _, taps, _ = qwen3.forward(target_params, tokens, positions, cache, target_cfg,
-                               tap_layers=head_cfg.tap_layers, logits_indices=jnp.zeros((1, 1), jnp.int32))
     logits = draft_head.training_logits(head_params, target_params, target_cfg, tokens, taps, anchors, head_cfg)
     log_probs = jax.nn.log_softmax(logits[0], axis=-1)  # (K, D, V)
     label_pos = jnp.clip(anchors[0][:, None] + jnp.arange(1, head_cfg.max_depth + 1), 0, s - 1)
@@ -63,8 +67,7 @@ def tree_acceptance(anchor_tokens, cand_tokens, cand_logps, labels, valid, *, bu
     """Accepted draft tokens (K,) of each anchor's tree, by the engine's greedy acceptance with the
     answer as the target's choices, and of those the ones at depth >= 2 that are not their depth's
     argmax."""
-    trees = jax.vmap(lambda root, tok, lp: build_tree(root, tok, lp, budget))(anchor_tokens, cand_tokens,
-                                                                               cand_logps)
+    trees = build_trees(anchor_tokens, cand_tokens, cand_logps, budget=budget)
     # the target's choice after a node at depth d is the answer's token at depth d + 1; past the
     # answer's end, a token no draft holds
     answer = jnp.where(valid, labels, -1)
@@ -111,6 +114,8 @@ def main():
         seq = list(prompt_ids) + list(answer)
         # padded to a multiple of 128 (fewer shapes to compile); no anchor sees past its own position
         tokens = jnp.asarray(np.pad(seq, (0, -len(seq) % 128)), jnp.int32)[None]
+        taps = {layers: target_taps(target.params, tokens, target_cfg=target.cfg, tap_layers=layers)
+                for layers in {head_cfg.tap_layers for _, head_cfg, _ in heads}}  # once per answer
         first, last = len(prompt_ids), len(seq) - 2  # as in decoding, the first anchor is the first answer token
         for start in range(first, last + 1, args.anchors_per_call):
             anchors = np.arange(start, min(start + args.anchors_per_call, last + 1), dtype=np.int32)
@@ -118,8 +123,8 @@ def main():
             padded = np.pad(anchors, (0, args.anchors_per_call - k), constant_values=anchors[-1])  # one shape
             for d, head_cfg, head_params in heads:
                 cand_tokens, cand_logps, rank, labels = draft_ranks(
-                    head_params, target.params, tokens, jnp.asarray(padded)[None], target_cfg=target.cfg,
-                    head_cfg=head_cfg, width=args.width)
+                    head_params, target.params, tokens, taps[head_cfg.tap_layers], jnp.asarray(padded)[None],
+                    target_cfg=target.cfg, head_cfg=head_cfg, width=args.width)
                 valid = (padded[:, None] + np.arange(1, head_cfg.max_depth + 1)[None]) < len(seq)
                 rank, valid_k = np.asarray(rank)[:k], valid[:k]
                 counts = np.stack([np.bincount(rank[:, j][valid_k[:, j]], minlength=args.width + 2)[1:]
