@@ -161,7 +161,14 @@ def load_config(path: str, overrides: list[str] = ()) -> TrainConfig:
         raise ValueError(f"loss.kind {cfg.loss.kind!r} is not one of fkl, ce, rkl")
     if cfg.head.attention not in ("causal", "bidirectional"):
         raise ValueError(f"head.attention {cfg.head.attention!r} is not causal or bidirectional")
-    if cfg.data.samples_per_prompt < 1 or (cfg.data.samples_per_prompt > 1 and cfg.data.temperature == 0):
-        raise ValueError(f"data.samples_per_prompt={cfg.data.samples_per_prompt} needs to be 1, or > 1 with "
-                         f"data.temperature > 0 (greedy decoding gives the same answer every time)")
+    check_samples_per_prompt(cfg.data.samples_per_prompt, cfg.data.temperature)
     return cfg
+
+
+def check_samples_per_prompt(samples_per_prompt: int, temperature: float) -> None:
+    """Shared by config loading (fails before the target loads) and regenerate()."""
+    if samples_per_prompt < 1:
+        raise ValueError(f"data.samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if samples_per_prompt > 1 and temperature == 0:
+        raise ValueError(f"data.samples_per_prompt={samples_per_prompt} needs a temperature > 0 (set "
+                         f"data.temperature > 0): greedy decoding gives the same answer every time")

@@ -23,7 +23,7 @@ from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, pad_prompts, pa
 from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.target import Target
 
-from .config import DEFAULT_DATA_DIR
+from .config import DEFAULT_DATA_DIR, check_samples_per_prompt
 
 MANIFEST_FILE = "manifest.json"
 SHARD_PATTERN = "shard-{:05d}.jsonl"
@@ -123,11 +123,7 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new
     settings is returned as it is (nothing regenerated)."""
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
-    if samples_per_prompt > 1 and temperature == 0:
-        raise ValueError(f"samples_per_prompt={samples_per_prompt} needs a temperature > 0 (data.temperature): "
-                         f"greedy decoding gives the same answer every time")
+    check_samples_per_prompt(samples_per_prompt, temperature)
     max_positions = target.cfg.max_position_embeddings
     if max_prompt_tokens + max_new_tokens > max_positions:
         raise ValueError(f"max_prompt_tokens ({max_prompt_tokens}) + max_new_tokens ({max_new_tokens}) "
