@@ -67,6 +67,15 @@ def ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
+def check_one_head(rows: list[dict], group: str) -> None:
+    """A group's tau and speedup describe one draft head: lines of two heads (files of an older and a
+    newer head given together, whose later lines replace only the prompts they share) are refused."""
+    shas = sorted({r["head_sha256"] for r in rows if r.get("head_sha256")})
+    if len(shas) > 1:
+        raise ValueError(f"the results hold {len(shas)} draft heads in one group ({group}): sha256 "
+                         f"{', '.join(s[:12] for s in shas)}; report each head's results files separately")
+
+
 def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
     """One dict per (benchmark, method, budget, temperature, precision), ordered for reading."""
     valid = [line for line in lines if "error" not in line]
@@ -76,6 +85,7 @@ def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
         groups[(r["benchmark"], r["method"], r["budget"], r["temperature"], precision(r))].append(r)
     out = []
     for (bench, method, budget, temp, prec), rows in groups.items():
+        check_one_head(rows, f"{bench} {method} B={budget} T={temp} {prec}")
         decoded = sum(map(decoded_tokens, rows))
         paired = [(r, ar[(bench, r["id"], temp, prec)]) for r in rows if (bench, r["id"], temp, prec) in ar]
         scored = [r["correct"] for r in rows if r.get("correct") is not None]

@@ -95,3 +95,14 @@ def test_gzipped_results_read_like_plain_ones(tmp_path):
     write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "plain"))
     groups = [json.loads((tmp_path / d / "report.json").read_text())["groups"] for d in ("gz", "plain")]
     assert groups[0] == groups[1] and len(groups[0]) == 2
+
+
+def test_two_heads_in_one_group_are_refused(tmp_path):
+    """An older head's archive given with a newer one's would blend both heads' prompts into one tau."""
+    old = [line("ar", None), line("jetspec", 16, forwards=4, matches=True)]
+    new = [line("ar", None, id="1"), {**line("jetspec", 16, id="1", forwards=5, matches=True), "head_sha256": "def"}]
+    write_lines(tmp_path / "old.jsonl", old)
+    write_lines(tmp_path / "new.jsonl", new)
+    with pytest.raises(ValueError, match=r"2 draft heads in one group \(gsm8k jetspec B=16 T=0.0 float32/highest\)"):
+        write_report([str(tmp_path / "old.jsonl"), str(tmp_path / "new.jsonl")], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # nothing written before the refusal
