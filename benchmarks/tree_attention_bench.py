@@ -60,8 +60,9 @@ HEAD_SHAPES = {"qwen3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 TARGETS_US = {("qwen3-8b", 1, 4096, 256): 50.0, ("qwen3-8b", 1, 16384, 16): 30.0}  # the issue's targets
 
 
-def inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype):
-    s = prefix + n
+def inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype, spare=0):
+    """A cache of prefix + n + spare rows: spare > 0 is a decode step's, sized for the whole generation."""
+    s = prefix + n + spare
     anc = jnp.asarray(np.stack([ancestors_from_parents(random_tree_parents(rng, n, "wide")) for _ in range(batch)]))
     q = jnp.asarray(rng.standard_normal((batch, n, heads, d)), dtype)
     k = jnp.asarray(rng.standard_normal((batch, s, kv_heads, d)), dtype)
@@ -212,24 +213,27 @@ def tunings(*specs):
 
 
 M2, TREE_LAST, KERNEL_MERGE = {"min_blocks_per_split": 2}, {"tree_in_last_split": True}, {"merge_in_kernel": True}
-FP32_PARTIALS = {"low_precision_partials": False}  # the default before 615fcac's sweep
+TREE64, BY_LENGTH = {"tree_block_k": 64}, {"split_by_length": True}
 
 
-# Per class: the shapes it is swept on (the issue's target, and the embedded model's verify at B=256 or
-# its AR decode step) and the candidates, the kernel's current default for the class first. The best
-# candidate has the lowest geometric mean time over the class's shapes.
+# Per class: the shapes it is swept on (batch, prefix, nodes[, spare cache rows]: the issue's target, and
+# the embedded model's verify at B=256 or its AR decode step, also mid-generation in the eval's cache of
+# 512 prompt + 512 new + 256 tree rows) and the candidates, the kernel's current default for the class
+# first. The best candidate has the lowest geometric mean time over the class's shapes.
 SWEEP = {
-    "tree": ([("qwen3-8b", 1, 4096, 256), ("smollm2-135m", 1, 1024, 256)], tunings(
-        (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, KERNEL_MERGE),
-        (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE), (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE | FP32_PARTIALS))),
-    "decode": ([("qwen3-8b", 1, 16384, 16), ("smollm2-135m", 1, 1024, 1)], tunings(
-        (64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, KERNEL_MERGE),
-        (64, 64, 4, 3, 264, M2), (64, 64, 4, 3, 264, M2 | KERNEL_MERGE))),
+    "tree": ([("qwen3-8b", 1, 4096, 256), ("smollm2-135m", 1, 1024, 256), ("smollm2-135m", 1, 400, 256, 624)],
+             tunings((64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, TREE_LAST | KERNEL_MERGE),
+                     (64, 64, 4, 3, 132, TREE64), (64, 64, 4, 3, 132, TREE64 | BY_LENGTH),
+                     (64, 64, 4, 3, 132, TREE_LAST | TREE64), (64, 64, 4, 3, 132, TREE_LAST | TREE64 | BY_LENGTH))),
+    "decode": ([("qwen3-8b", 1, 16384, 16), ("smollm2-135m", 1, 1024, 1), ("smollm2-135m", 1, 400, 1, 879)],
+               tunings((64, 64, 4, 3, 132), (64, 64, 4, 3, 132, TREE_LAST), (64, 64, 4, 3, 132, BY_LENGTH),
+                       (64, 64, 4, 3, 264, M2), (64, 64, 4, 3, 264, M2 | BY_LENGTH))),
 }
 # Swept earlier and dropped as slower at every shape (benchmarks/results/tree_attention_h200_*.json):
 # 2 stages, block_k 32 or 128 at 64 rows, 8 warps at 64 rows, 66 or 264 programs without the options,
 # 128-row programs (with or without the options), min_blocks_per_split 1, fp32
-# partials (merged by XLA), 32-row programs (one partial, but 2x slower: no wgmma below 64 rows).
+# partials (merged by XLA), 32-row programs (one partial, but 2x slower: no wgmma below 64 rows), the
+# in-kernel merge without the tree in the last split, and with it at the decode shapes.
 
 
 def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
@@ -241,15 +245,16 @@ def tuning_sweep(args, dtype, payload) -> dict[str, TreeAttentionTuning]:
     best = {}
     for cls, (shapes, candidates) in sweep.items():
         log_times = np.zeros(len(candidates))
-        for shape_name, batch, prefix, n in shapes:
+        for shape_name, batch, prefix, n, *spare in shapes:
             heads, kv_heads, d = HEAD_SHAPES[shape_name]
-            q, k, v, lengths, anc = inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype)
+            q, k, v, lengths, anc = inputs(rng, batch, n, heads, kv_heads, d, prefix, dtype, *spare)
             words = pack_tree_mask(anc)
             want = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
             for i, tuning in enumerate(candidates):
                 fn = functools.partial(tree_attention, implementation=args.kernel_impl, tuning=tuning)
                 error = float(jnp.max(jnp.abs(fn(q, k, v, lengths, words).astype(jnp.float32) - want)))
-                base = dict(shape=shape_name, batch=batch, L=prefix, N=n, call_class=cls, tuning=tuning_name(tuning),
+                base = dict(shape=shape_name, batch=batch, L=prefix, N=n, call_class=cls, cache_rows=int(k.shape[1]),
+                            tuning=tuning_name(tuning),
                             max_abs_error=error)  # some options round differently: their accuracy is part of the row
                 row = measure(payload["sweep"], base, fn, q, (k, v, lengths, words), args.iters, None, None,
                               args.out, payload)
@@ -264,7 +269,8 @@ def tuning_name(t: TreeAttentionTuning) -> str:
     return (f"rows{t.block_rows}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}_p{t.target_programs}"
             + (f"_m{t.min_blocks_per_split}" if t.min_blocks_per_split != 4 else "")
             + ("_treelast" if t.tree_in_last_split else "") + ("_lowpartials" if t.low_precision_partials else "")
-            + ("_kmerge" if t.merge_in_kernel else ""))
+            + ("_kmerge" if t.merge_in_kernel else "") + (f"_tree{t.tree_block_k}" if t.tree_block_k != 32 else "")
+            + ("_bylength" if t.split_by_length else ""))
 
 
 def main():

@@ -91,12 +91,23 @@ class TreeAttentionTuning:
     # shape, 3% slower at the embedded model's B=256 verify (sweep of a4cca3c): off
     low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
     # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
+    tree_block_k: int = 32  # tree nodes per inner step: 32 (one mask word) or 64 (two: half the steps,
+    # each a full 64-key dot like the prefix's; the last row block of a 256-node tree takes 8 steps of
+    # 32, the critical path of the embedded model's verify, whose prefix splits take fewer)
+    split_by_length: bool = False  # prefix splits divide each sequence's own length, not the cache's
+    # rows: with a cache longer than its prefix (every decode step) the capacity-based split leaves the
+    # later splits empty and the first ones long
     merge_in_kernel: bool = False  # the last of a row block's split programs to finish (an atomic
     # counter per block) merges the partials and writes the final rows: no merge kernels after the call.
     # H200 (tree_attention_h200_kernel_merge_*.json): with tree_in_last_split and fp32 partials the 8B
     # target shape took 51.9 us against 53.8 with XLA's merge, but with more partials the merge's
     # registers slow the whole kernel (embedded B=256 verify 13.0 vs 10.3 us, 8B decode shape 4x), and
     # a looped merge was slower at every shape: off
+
+    def __post_init__(self):
+        if self.tree_block_k not in (WORD_BITS, 2 * WORD_BITS):
+            raise ValueError(f"tree_block_k must be {WORD_BITS} or {2 * WORD_BITS} (one or two mask words), "
+                             f"got {self.tree_block_k}")
 
     def num_partials(self, splits: int) -> int:
         return splits if self.tree_in_last_split else splits + 1
@@ -125,16 +136,19 @@ def _online_softmax_step(q, k, v, visible, carry, scale):
 
 
 def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, num_nodes: int, num_words: int,
-                           prefix_splits: int, tree_split: int, split_rows: int, block_k: int, scale: float,
-                           merge_in_kernel: bool, interpret: bool):
+                           prefix_splits: int, tree_split: int, split_rows: int | None, block_k: int,
+                           tree_block_k: int, scale: float, merge_in_kernel: bool, interpret: bool):
     """Grid (batch, kv head, row block, split). A row is one (query head of the group, node) pair, so
     the group's heads share every K/V load. Splits < prefix_splits cover prefix rows
     [split * split_rows, ...) up to the prefix length; split `tree_split` covers the tree nodes (the
-    one after the prefix splits, or the last of them). refs: the outputs (o, lse), or with
+    one after the prefix splits, or the last of them); split_rows None: each split's share of this
+    sequence's length, in whole blocks. refs: the outputs (o, lse), or with
     `merge_in_kernel` the arrival counters (input), final o, partial o and lse, counters (output)."""
     b, split = pl.program_id(0), pl.program_id(3)
     block_rows, d = q_ref.shape
     length = lengths_ref[b]
+    if split_rows is None:
+        split_rows = ((length + prefix_splits - 1) // prefix_splits + block_k - 1) // block_k * block_k
     q = q_ref[...]
     init = (jnp.zeros((block_rows, d), jnp.float32), jnp.full((block_rows,), -jnp.inf, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32))
@@ -149,20 +163,28 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
         v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=0.0)
         return _online_softmax_step(q, k, v, inside[None, :], carry, scale)
 
+    words_per_step = tree_block_k // WORD_BITS
+    key = jnp.arange(tree_block_k)
+
     def tree_block(c, carry):
-        words = words_ref[:, c]  # (block_rows,) this chunk's bits for each row's node
+        # (block_rows,) mask words of this chunk for each row's node; past the last word (an odd count
+        # with two per step) the last is read again, its nodes are >= num_nodes and masked below
+        words = [words_ref[:, jnp.minimum(c * words_per_step + w, num_words - 1)] for w in range(words_per_step)]
 
         def attend(carry):
-            node = c * WORD_BITS + jnp.arange(WORD_BITS)
-            inside = node < num_nodes
-            rows = length + c * WORD_BITS
-            k = plgpu.load(k_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
-            v = plgpu.load(v_ref.at[pl.ds(rows, WORD_BITS), :], mask=inside[:, None], other=0.0)
-            bits = (words[:, None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)[None, :]) & 1
+            inside = c * tree_block_k + key < num_nodes
+            rows = length + c * tree_block_k
+            k = plgpu.load(k_ref.at[pl.ds(rows, tree_block_k), :], mask=inside[:, None], other=0.0)
+            v = plgpu.load(v_ref.at[pl.ds(rows, tree_block_k), :], mask=inside[:, None], other=0.0)
+            word = words[0][:, None]
+            if words_per_step == 2:
+                word = jnp.where(key[None, :] < WORD_BITS, word, words[1][:, None])
+            bits = (word >> (key % WORD_BITS).astype(jnp.uint32)[None, :]) & 1
             return _online_softmax_step(q, k, v, (bits == 1) & inside[None, :], carry, scale)
 
         # no row of this block sees a node of this chunk (later nodes, other branches): skip it
-        return lax.cond(jnp.sum((words != 0).astype(jnp.int32)) > 0, attend, lambda carry: carry, carry)
+        seen = functools.reduce(jnp.logical_or, [w != 0 for w in words])
+        return lax.cond(jnp.sum(seen.astype(jnp.int32)) > 0, attend, lambda carry: carry, carry)
 
     # loop bounds are built arithmetically in int32: jnp.where(flag, 1, 0) lowers to an i1 select,
     # which Triton's scf.for rejects next to an i32 lower bound
@@ -174,7 +196,8 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
     if k_ref.shape[0] >= block_k:  # a cache shorter than a block has no whole block (and can't trace one)
         carry = lax.fori_loop(0, full_steps, functools.partial(prefix_block, masked=False), carry)
     carry = lax.fori_loop(full_steps, full_steps + tail_steps, functools.partial(prefix_block, masked=True), carry)
-    acc, m, l = lax.fori_loop(0, (split == tree_split).astype(jnp.int32) * num_words, tree_block, carry)
+    tree_steps = -(-num_words // words_per_step)
+    acc, m, l = lax.fori_loop(0, (split == tree_split).astype(jnp.int32) * tree_steps, tree_block, carry)
     out = acc / jnp.where(l == 0, 1.0, l)[:, None]
     # m and l are in base 2: the natural-log lse is ln(2) * (m + log2 l)
     lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(jnp.where(l == 0, 1.0, l))) * math.log(2))
@@ -255,13 +278,14 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
     row_blocks = group * node_blocks if blocked else q_in.shape[2] // block_rows
     num_words = words.shape[-1]
     splits = tuning.splits_for(s, b * hkv * row_blocks)
-    split_rows = -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
+    split_rows = None if tuning.split_by_length else -(-(-(-s // splits)) // tuning.block_k) * tuning.block_k
     partials = tuning.num_partials(splits)
     merge_in_kernel = tuning.merge_in_kernel and partials > 1
     out_dtype = q_in.dtype if partials == 1 or tuning.low_precision_partials else jnp.float32
     kernel = functools.partial(_tree_attention_kernel, num_nodes=num_nodes, num_words=num_words,
                                prefix_splits=splits, tree_split=partials - 1, split_rows=split_rows,
                                block_k=tuning.block_k, scale=math.log2(math.e) / math.sqrt(d),
+                               tree_block_k=tuning.tree_block_k if s >= tuning.tree_block_k else WORD_BITS,
                                merge_in_kernel=merge_in_kernel, interpret=interpret)
     kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0))
     if blocked:  # row block r of KV head j: query head j * group + r // node_blocks, nodes of block r % node_blocks

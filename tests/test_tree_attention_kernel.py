@@ -40,8 +40,9 @@ CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kind
 
 
 VARIANTS = [{}, {"tree_in_last_split": True}, {"low_precision_partials": False},  # tuning options that change
-            {"merge_in_kernel": True}, {"merge_in_kernel": True, "tree_in_last_split": True}]  # what the
-# kernel computes where, not only how fast
+            {"merge_in_kernel": True}, {"merge_in_kernel": True, "tree_in_last_split": True},  # what the
+            {"tree_block_k": 64}, {"split_by_length": True, "tree_in_last_split": True}]  # kernel computes
+# where, not only how fast (N=7 and 13: one mask word, so a 64-node step reads it twice)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v) or "default")
@@ -64,9 +65,16 @@ def test_default_splitting_and_single_split_agree():
     for tuning in (TreeAttentionTuning(), TreeAttentionTuning(prefix_splits=1, block_k=128),
                    TreeAttentionTuning(min_blocks_per_split=1, block_k=32),  # 64 one-block splits
                    TreeAttentionTuning(tree_in_last_split=True),
-                   TreeAttentionTuning(tree_in_last_split=True, prefix_splits=1, block_k=128)):
+                   TreeAttentionTuning(tree_in_last_split=True, prefix_splits=1, block_k=128),
+                   TreeAttentionTuning(split_by_length=True),  # 700 of 2100 rows: every split a share
+                   TreeAttentionTuning(split_by_length=True, min_blocks_per_split=1, block_k=32, tree_block_k=64)):
         got = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret", tuning=tuning)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_tree_block_k_is_one_or_two_mask_words():
+    with pytest.raises(ValueError, match="tree_block_k must be 32 or 64"):
+        TreeAttentionTuning(tree_block_k=48)
 
 
 def test_head_blocked_layout_agrees_for_every_partial_count():
@@ -127,6 +135,9 @@ LOWERING_SHAPES = [  # batch, N, heads, kv heads, head dim, cache rows, dtype, t
                                                                  target_programs=66)),
     (1, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(tree_in_last_split=True, merge_in_kernel=True)),
     (2, 40, 8, 2, 64, 1088, jnp.bfloat16, TreeAttentionTuning(merge_in_kernel=True)),  # packed rows
+    (1, 256, 32, 8, 128, 4352, jnp.bfloat16, TreeAttentionTuning(tree_in_last_split=True, split_by_length=True,
+                                                                 tree_block_k=64)),
+    (1, 70, 9, 3, 64, 600, jnp.bfloat16, TreeAttentionTuning(tree_block_k=64)),  # three words: one read twice
 ]
 
 
