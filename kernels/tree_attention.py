@@ -92,8 +92,8 @@ class TreeAttentionTuning:
     low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
     # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
     tree_block_k: int = 32  # tree nodes per inner step: 32 (one mask word) or 64 (two: half the steps,
-    # each a full 64-key dot like the prefix's; the last row block of a 256-node tree takes 8 steps of
-    # 32, the critical path of the embedded model's verify, whose prefix splits take fewer)
+    # each a full 64-key dot like the prefix's; the last row block of a 256-node tree takes up to 8
+    # steps of 32, more than a split of a short prefix does: not yet timed)
     split_by_length: bool = False  # prefix splits divide each sequence's own length, not the cache's
     # rows: with a cache longer than its prefix (every decode step) the capacity-based split leaves the
     # later splits empty and the first ones long
