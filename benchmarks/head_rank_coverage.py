@@ -10,16 +10,19 @@ inference, and is scored against the answer that follows a:
   (teacher-forced tau of a chain of argmaxes, a DFlash-style draft);
 - tree acceptance: the best-first tree of that budget (width W) built from the head's top-W lists,
   and the longest prefix of the answer it contains, plus one (tau if every position were a round's
-  anchor); with the share of accepted tokens at depth >= 2 that are not the head's argmax there.
+  anchor); with the share of accepted tokens at depth >= 2 that are not the head's argmax there;
+  `--tree-temperatures` scores the trees with the head's logits divided by each, as the engine's
+  SpecConfig.tree_temperature does.
 Both heads are scored on the same anchors, so their numbers compare directly (one run).
-`--decode-check B` also decodes the same prompts speculatively at budget B with each head, to set
-the measured tau beside the teacher-forced one.
+`--decode-check B` also decodes the same prompts speculatively at budget B with each head (and tree
+temperature), to set the measured tau beside the teacher-forced one.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 
@@ -47,10 +50,13 @@ def target_taps(target_params, tokens, *, target_cfg, tap_layers):
     return teacher(target_params, target_cfg, tokens, jnp.zeros((1, 1), jnp.int32), tap_layers)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "width"))
-def draft_ranks(head_params, target_params, tokens, taps, anchors, *, target_cfg, head_cfg, width):
-    """For one sequence (1, S), its taps and anchors (1, K): the top-`width` lists (K, D, W) and the
-    rank of the sequence's own token at each depth (K, D; 1 = argmax, width + 1 = not in the list)."""
+@functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "width", "tree_temperatures"))
+def draft_ranks(head_params, target_params, tokens, taps, anchors, *, target_cfg, head_cfg, width,
+                tree_temperatures=(1.0,)):
+    """For one sequence (1, S), its taps and anchors (1, K): the top-`width` tokens (K, D, W), their
+    log-probs at each tree temperature (T, K, D, W; the logits divided by it, as the engine scores
+    trees) and the rank of the sequence's own token at each depth (K, D; 1 = argmax, width + 1 = not
+    in the list)."""
     s = tokens.shape[1]
     logits = draft_head.training_logits(head_params, target_params, target_cfg, tokens, taps, anchors, head_cfg)
     log_probs = jax.nn.log_softmax(logits[0], axis=-1)  # (K, D, V)
@@ -58,7 +64,10 @@ def draft_ranks(head_params, target_params, tokens, taps, anchors, *, target_cfg
     labels = tokens[0][label_pos]  # (K, D)
     label_lp = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)
     rank = jnp.minimum(jnp.sum(log_probs > label_lp, axis=-1) + 1, width + 1)
-    cand_tokens, cand_logps = top_candidates(log_probs, width)
+    cand_tokens, _ = top_candidates(log_probs, width)
+    cand_logits = jnp.take_along_axis(logits[0].astype(jnp.float32), cand_tokens, axis=-1)
+    cand_logps = jnp.stack([cand_logits / t - jax.nn.logsumexp(logits[0].astype(jnp.float32) / t, axis=-1,
+                                                               keepdims=True) for t in tree_temperatures])
     return cand_tokens, cand_logps, rank, labels
 
 
@@ -90,6 +99,8 @@ def main():
     p.add_argument("--head", action="append", default=None,
                    help="head directory (repeat); default: the shipped JetSpec and DFlash/DDTree heads")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--tree-temperatures", type=float, nargs="+", default=[1.0],
+                   help="score the trees with the head's logits divided by each (SpecConfig.tree_temperature)")
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--benchmark", choices=sorted(BENCHMARKS), default="gsm8k")
     p.add_argument("--prompts", type=int, default=16)
@@ -108,8 +119,10 @@ def main():
     questions = [item.prompt for item in load_benchmark(args.benchmark, args.data_dir, args.prompts)]
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)
 
-    stats = {d: dict(rank_counts=None, chain=[], accepted={b: [] for b in args.budgets},
-                     off_argmax={b: 0 for b in args.budgets}) for d, _, _ in heads}
+    temps = tuple(args.tree_temperatures)
+    trees = [(b, t) for b in args.budgets for t in temps]
+    stats = {d: dict(rank_counts=None, chain=[], accepted={bt: [] for bt in trees},
+                     off_argmax={bt: 0 for bt in trees}) for d, _, _ in heads}
     for prompt_ids, answer in zip(ar.prompt_token_ids, ar.token_ids):
         seq = list(prompt_ids) + list(answer)
         # padded to a multiple of 128 (fewer shapes to compile); no anchor sees past its own position
@@ -124,7 +137,7 @@ def main():
             for d, head_cfg, head_params in heads:
                 cand_tokens, cand_logps, rank, labels = draft_ranks(
                     head_params, target.params, tokens, taps[head_cfg.tap_layers], jnp.asarray(padded)[None],
-                    target_cfg=target.cfg, head_cfg=head_cfg, width=args.width)
+                    target_cfg=target.cfg, head_cfg=head_cfg, width=args.width, tree_temperatures=temps)
                 valid = (padded[:, None] + np.arange(1, head_cfg.max_depth + 1)[None]) < len(seq)
                 rank, valid_k = np.asarray(rank)[:k], valid[:k]
                 counts = np.stack([np.bincount(rank[:, j][valid_k[:, j]], minlength=args.width + 2)[1:]
@@ -134,11 +147,11 @@ def main():
                     counts += head_stats["rank_counts"]
                 head_stats["rank_counts"] = counts
                 head_stats["chain"].extend(leading_true((rank == 1) & valid_k).tolist())
-                for budget in args.budgets:
-                    accepted, off = tree_acceptance(tokens[0][padded], cand_tokens, cand_logps,
+                for budget, t in trees:
+                    accepted, off = tree_acceptance(tokens[0][padded], cand_tokens, cand_logps[temps.index(t)],
                                                     labels, jnp.asarray(valid), budget=budget)
-                    head_stats["accepted"][budget].extend(np.asarray(accepted)[:k].tolist())
-                    head_stats["off_argmax"][budget] += int(np.asarray(off)[:k].sum())
+                    head_stats["accepted"][(budget, t)].extend(np.asarray(accepted)[:k].tolist())
+                    head_stats["off_argmax"][(budget, t)] += int(np.asarray(off)[:k].sum())
 
     rows, per_depth = [], {}
     for d, head_cfg, _ in heads:
@@ -149,37 +162,38 @@ def main():
         per_depth[name] = dict(attention=head_cfg.attention, top1=cover[:, 0].round(4).tolist(),
                                top_width=cover[:, args.width - 1].round(4).tolist(),
                                rank_counts=counts.tolist())
-        for budget in args.budgets:
-            acc = np.asarray(head_stats["accepted"][budget])
+        for budget, t in trees:
+            acc = np.asarray(head_stats["accepted"][(budget, t)])
             beyond_depth_1 = max(int(np.maximum(acc - 1, 0).sum()), 1)
-            rows.append(dict(head=name, attention=head_cfg.attention, budget=budget, anchors=len(acc),
-                             tree_tau=float(acc.mean() + 1), chain_tau=float(np.mean(head_stats["chain"]) + 1),
-                             off_argmax_share=head_stats["off_argmax"][budget] / beyond_depth_1,
+            rows.append(dict(head=name, attention=head_cfg.attention, budget=budget, tree_temperature=t,
+                             anchors=len(acc), tree_tau=float(acc.mean() + 1),
+                             chain_tau=float(np.mean(head_stats["chain"]) + 1),
+                             off_argmax_share=head_stats["off_argmax"][(budget, t)] / beyond_depth_1,
                              top1_d1=float(cover[0, 0]), top1_d2_5=float(cover[1:5, 0].mean()),
                              topw_d2_5=float(cover[1:5, args.width - 1].mean()),
                              rank2_w_d2_5=float((cover[1:5, args.width - 1] - cover[1:5, 0]).mean())))
     payload = dict(benchmark="head_rank_coverage", prompts=f"{args.benchmark}[:{args.prompts}]",
                    max_new_tokens=args.max_new_tokens, width=args.width, dtype=str(jnp.dtype(dtype)),
                    heads=head_dirs, rows=rows, per_depth=per_depth, environment=environment())
-    print_table(rows, ["head", "budget", "anchors", "tree_tau", "chain_tau", "off_argmax_share", "top1_d1", "top1_d2_5",
-                       "topw_d2_5", "rank2_w_d2_5"])
+    print_table(rows, ["head", "budget", "tree_temperature", "anchors", "tree_tau", "chain_tau", "off_argmax_share",
+                       "top1_d1", "top1_d2_5", "topw_d2_5", "rank2_w_d2_5"])
     for name, depth in per_depth.items():
         print(name, "top-1 by depth", depth["top1"])
         print(name, f"top-{args.width} by depth", depth["top_width"])
     if args.decode_check is not None:
         payload["decode_check"] = []
-        tree_tau = {(r["head"], r["budget"]): r["tree_tau"] for r in rows}
-        for d, head_cfg, head_params in heads:
+        tree_tau = {(r["head"], r["budget"], r["tree_temperature"]): r["tree_tau"] for r in rows}
+        for (d, head_cfg, head_params), t in itertools.product(heads, temps):
             name = os.path.basename(os.path.normpath(d))
             method = "jetspec" if head_cfg.attention == "causal" else "ddtree"
             out = generate(questions, target, method=method, head=(head_cfg, head_params), budget=args.decode_check,
-                           width=args.width, max_new_tokens=args.max_new_tokens)
+                           width=args.width, max_new_tokens=args.max_new_tokens, tree_temperature=t)
             payload["decode_check"].append(dict(
-                head=name, method=method, budget=args.decode_check, tau=out.tau,
-                teacher_forced_tree_tau=tree_tau.get((name, args.decode_check)),
+                head=name, method=method, budget=args.decode_check, tree_temperature=t, tau=out.tau,
+                teacher_forced_tree_tau=tree_tau.get((name, args.decode_check, t)),
                 outputs_equal_to_ar=sum(a == b for a, b in zip(out.token_ids, ar.token_ids))))
-        print_table(payload["decode_check"], ["head", "method", "budget", "tau", "teacher_forced_tree_tau",
-                                              "outputs_equal_to_ar"])
+        print_table(payload["decode_check"], ["head", "method", "budget", "tree_temperature", "tau",
+                                              "teacher_forced_tree_tau", "outputs_equal_to_ar"])
     write_json_atomic(args.out, payload)
 
 

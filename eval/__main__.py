@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
     run.add_argument("--max-new-tokens", type=int, default=512)
     run.add_argument("--width", type=int, default=7, help="candidates per depth for the tree methods")
+    run.add_argument("--tree-temperature", type=float, default=1.0,
+                     help="the tree methods divide the head's logits by this before scoring the tree "
+                          "(1 = the published scoring)")
     run.add_argument("--prompt-bucket", type=int, default=PROMPT_BUCKET,
                      help="pad prompts to a multiple of this; larger means fewer shapes to compile "
                           "(prefill grows; decode time is reported apart)")
@@ -111,7 +114,8 @@ def main(argv=None) -> int:
             config = EvalConfig(
                 benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
                 temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
-                width=args.width, attention=args.attention, prompt_bucket=args.prompt_bucket, seed=args.seed,
+                width=args.width, tree_temperature=args.tree_temperature, attention=args.attention,
+                prompt_bucket=args.prompt_bucket, seed=args.seed,
                 data_dir=args.data_dir, results=args.results,
                 head_dirs=parse_heads(args.heads), allow_untrained=args.allow_untrained, model=args.model,
                 dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,

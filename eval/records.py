@@ -85,14 +85,18 @@ def read_meta(results_path: str) -> dict | None:
         return json.load(f)
 
 
+# settings added after results files existed: an older file ran with these values
+SETTINGS_BEFORE_RECORDED = {"tree_temperature": 1.0}
+
+
 def check_compatible(results_path: str, settings: dict, heads: dict[str, str | None]) -> None:
     """Raises if the file was made with other settings or another head for a role, since new lines
     would not be comparable with its old ones (a later run may add heads for new roles)."""
     meta = read_meta(results_path)
     if meta is None:
         return
-    changed = sorted(k for k in set(meta["settings"]) | set(settings)
-                     if meta["settings"].get(k) != settings.get(k))
+    recorded = {**SETTINGS_BEFORE_RECORDED, **meta["settings"]}
+    changed = sorted(k for k in set(recorded) | set(settings) if recorded.get(k) != settings.get(k))
     changed += [f"{role} head" for role, sha in heads.items() if meta["heads"].get(role, sha) != sha]
     if changed:
         raise ValueError(f"{results_path} was made with different settings ({', '.join(changed)}); "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -41,6 +42,7 @@ class EvalConfig:
     limit: int | None = None
     max_new_tokens: int = 512
     width: int = 7
+    tree_temperature: float = 1.0  # the tree methods' scoring temperature (SpecConfig)
     attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
     prompt_bucket: int = PROMPT_BUCKET  # prompts pad to a multiple of this: larger = fewer compilations
     seed: int = 0
@@ -65,6 +67,8 @@ class EvalConfig:
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures if t < 0]
+        if not (math.isfinite(self.tree_temperature) and self.tree_temperature > 0):
+            problems.append(f"tree_temperature must be a positive number, got {self.tree_temperature}")
         if self.matmul_precision not in (None, "default", "high", "highest"):
             problems.append(f"matmul_precision must be default, high or highest, got "
                             f"{self.matmul_precision!r}")
@@ -150,7 +154,8 @@ class Evaluator:
 
     def timed_generate(self, prompt: str, method: str, budget: int | None, temperature: float,
                        max_new_tokens: int, cache_len: int):
-        tree = {} if budget is None else {"budget": budget, "width": self.config.width}
+        tree = {} if budget is None else {"budget": budget, "width": self.config.width,
+                                          "tree_temperature": self.config.tree_temperature}
 
         def call():
             return generate(prompt, self.target, method=method, head=self.head(method), **tree,
@@ -186,6 +191,7 @@ class Evaluator:
         line = {"benchmark": item.benchmark, "id": item.id, "method": method, "budget": spec.budget,
                 "temperature": spec.temperature,
                 "width": config.width if method in ("jetspec", "ddtree") else None,
+                "tree_temperature": config.tree_temperature if method in ("jetspec", "ddtree") else None,
                 "attention": config.attention,
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
@@ -243,7 +249,8 @@ def set_matmul_precision(config: EvalConfig, dtype: str) -> str:
 def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: str) -> dict[str, Any]:
     """What must not change between runs appending to one results file."""
     return {"target": target_name, "dtype": dtype, "matmul_precision": precision,
-            "max_new_tokens": config.max_new_tokens, "width": config.width, "seed": config.seed,
+            "max_new_tokens": config.max_new_tokens, "width": config.width,
+            "tree_temperature": config.tree_temperature, "seed": config.seed,
             "attention": config.attention, "prompt_bucket": config.prompt_bucket}
 
 

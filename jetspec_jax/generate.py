@@ -164,7 +164,8 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
              max_depth: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
              system_prompt: str | None = None, max_cache_len: int | None = None,
-             attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET) -> GenerationResult:
+             attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET,
+             tree_temperature: float = 1.0) -> GenerationResult:
     """Generation for a batch of prompts (greedy when temperature == 0).
 
     method "ar" decodes token by token; "jetspec", "ddtree" and "dflash" decode speculatively with
@@ -172,6 +173,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
     distribution at temperature > 0. `attention` picks the attention path of decode steps and verify
     passes (see qwen3.ATTENTION_IMPLS; "auto" is the Pallas tree kernel on GPU). Prompts are
     right-padded to a multiple of `prompt_bucket`: a larger bucket means fewer shapes to compile.
+    `tree_temperature` divides the head's logits before the tree is scored (SpecConfig).
     """
     if method != "ar" and method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
@@ -195,7 +197,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
             raise ValueError(f"method {method!r} needs a draft head (head=(config, params))")
         head_cfg, head_params = head
         drafter = HeadDrafter(head_cfg, target.cfg)
-        spec = SpecConfig(method, budget, width, max_depth, attention)
+        spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature)
         if isinstance(head_cfg.attention, str) and head_cfg.attention != spec.expected_attention():
             raise ValueError(f"method {method!r} expects a {spec.expected_attention()} head, but this head is "
                              f"{head_cfg.attention}; use --method "
@@ -241,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=64, help="tree nodes verified per step, root included")
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--max-depth", type=int, default=None, help="tree depth limit (default: the head's)")
+    p.add_argument("--tree-temperature", type=float, default=1.0,
+                   help="divide the head's logits by this before scoring the tree: 1 = the published "
+                        "scoring; below 1 drafts deeper along likely paths (the output is the same)")
     p.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                    help="attention of decode steps and verify passes: xla (dense mask), cudnn, "
                         "pallas (tree kernel, GPU), auto (pallas on GPU, else xla)")
@@ -272,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           budget=args.budget, width=args.width, max_depth=args.max_depth,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                          system_prompt=args.system, attention=args.attention)
+                          system_prompt=args.system, attention=args.attention,
+                          tree_temperature=args.tree_temperature)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

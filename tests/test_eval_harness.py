@@ -126,6 +126,20 @@ def test_changed_settings_are_refused(finished_run, capsys):
     assert "different settings (max_new_tokens)" in capsys.readouterr().err
 
 
+def test_tree_temperature_is_a_setting_that_older_files_ran_at_one(finished_run, capsys, tmp_path):
+    results, _ = finished_run
+    assert main(RUN_ARGS + ["--tree-temperature", "0.6", "--results", str(results)]) == 2
+    assert "different settings (tree_temperature)" in capsys.readouterr().err
+    assert {line["tree_temperature"] for line in read_lines(str(results))} == {None, 1.0}  # ar: None
+    older = tmp_path / "older.jsonl"  # the same file as written before the setting was recorded
+    older.write_text(results.read_text())
+    meta = json.loads(open(meta_path(str(results))).read())
+    del meta["settings"]["tree_temperature"]
+    open(meta_path(str(older)), "w").write(json.dumps(meta))
+    assert run_cli(older) == 0  # resumes at the default: every line is there, nothing runs
+    assert main(RUN_ARGS + ["--tree-temperature", "0.6", "--results", str(older)]) == 2
+
+
 def test_shipped_heads_serve_every_method(finished_run):
     _, target = finished_run
     heads = resolve_heads(("ar", "dflash", "ddtree", "jetspec"), {}, target.source, allow_untrained=False)

@@ -106,3 +106,12 @@ def test_two_heads_in_one_group_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"2 draft heads in one group \(gsm8k jetspec B=16 T=0.0 float32/highest\)"):
         write_report([str(tmp_path / "old.jsonl"), str(tmp_path / "new.jsonl")], str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # nothing written before the refusal
+
+
+def test_two_tree_temperatures_in_one_group_are_refused(tmp_path):
+    lines = [line("ar", None), {**line("jetspec", 16, forwards=4, matches=True), "tree_temperature": 1.0},
+             line("ar", None, id="1"),
+             {**line("jetspec", 16, id="1", forwards=5, matches=True), "tree_temperature": 0.6}]
+    write_lines(tmp_path / "r.jsonl", lines)
+    with pytest.raises(ValueError, match=r"tree temperatures 0.6, 1.0 in one group \(gsm8k jetspec B=16"):
+        write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "out"))

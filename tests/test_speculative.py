@@ -60,6 +60,22 @@ def test_good_drafter_is_lossless_and_accepts_to_the_depth_limit(tiny_qwen3, bud
     assert (np.asarray(out.accept_counts)[:, depth] >= steps - 1).all()
 
 
+def test_tree_temperature_changes_the_tree_not_the_output(tiny_qwen3):
+    """The drafter's chain is always right but its distributions are as flat as the tiny target's:
+    scored as they are, best-first growth fills whole fan-outs near the root; sharpened (logits / 0.05)
+    it follows the chain deeper, so fewer verify passes give the same tokens."""
+    target, _ = tiny_qwen3
+    gen = GenerationConfig(max_new_tokens=30)
+    want, _ = run_ar(target, PROMPTS, gen)
+    drafter = TargetGreedyDrafter(target.cfg, 6, sharpness=1.0)
+    passes = {}
+    for t in (1.0, 0.05):
+        out = run_spec(target, drafter, None, PROMPTS, gen, SpecConfig("jetspec", 22, 7, tree_temperature=t))
+        np.testing.assert_array_equal(np.asarray(out.tokens), want)
+        passes[t] = int(np.asarray(out.target_forwards).sum())
+    assert passes[0.05] < passes[1.0]
+
+
 def test_eos_and_batch_stopping_match_ar(tiny_qwen3):
     target, _ = tiny_qwen3
     free, _ = run_ar(target, PROMPTS, GenerationConfig(max_new_tokens=20))
@@ -239,6 +255,9 @@ def test_bad_speculative_settings(tiny_qwen3):
         SpecConfig("jetspec", budget=8, max_depth=20).depth(15)
     with pytest.raises(ValueError, match="method"):
         SpecConfig("medusa")
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="tree_temperature must be a positive number"):
+            SpecConfig("jetspec", tree_temperature=bad)
     with pytest.raises(ValueError, match="head width 128"):
         HeadDrafter(head_for(hidden_size=128), target.cfg)
     with pytest.raises(ValueError, match="head vocabulary 50 != target vocabulary 97"):
