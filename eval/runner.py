@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import sys
 from typing import Any
@@ -17,7 +16,7 @@ from tqdm import tqdm
 from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, generate, pad_prompts, plan_cache_len,
                                   stop_tokens)
 from jetspec_jax.models import draft_head
-from jetspec_jax.speculative import ATTENTION_IMPLS, SpecConfig, speculative_cache_rows
+from jetspec_jax.speculative import ATTENTION_IMPLS, SpecConfig, check_tree_temperature, speculative_cache_rows
 from jetspec_jax.target import Target, default_dtype, load_target, resolve_target_path
 
 from .datasets import BENCHMARKS, EvalItem, benchmark_path, load_benchmark
@@ -67,8 +66,10 @@ class EvalConfig:
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures if t < 0]
-        if not (math.isfinite(self.tree_temperature) and self.tree_temperature > 0):
-            problems.append(f"tree_temperature must be a positive number, got {self.tree_temperature}")
+        try:
+            check_tree_temperature(self.tree_temperature)
+        except ValueError as e:
+            problems.append(str(e))
         if self.matmul_precision not in (None, "default", "high", "highest"):
             problems.append(f"matmul_precision must be default, high or highest, got "
                             f"{self.matmul_precision!r}")
@@ -188,10 +189,11 @@ class Evaluator:
         item, method, config = spec.item, spec.method, self.config
         role = ROLE_OF_METHOD.get(method)
         head = self.heads[role] if role else None
+        tree_method = method in ("jetspec", "ddtree")
         line = {"benchmark": item.benchmark, "id": item.id, "method": method, "budget": spec.budget,
                 "temperature": spec.temperature,
-                "width": config.width if method in ("jetspec", "ddtree") else None,
-                "tree_temperature": config.tree_temperature if method in ("jetspec", "ddtree") else None,
+                "width": config.width if tree_method else None,
+                "tree_temperature": config.tree_temperature if tree_method else None,
                 "attention": config.attention,
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,

@@ -35,6 +35,12 @@ DRAFT_ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")  # the head's: den
 METHODS = ("jetspec", "ddtree", "dflash")
 
 
+def check_tree_temperature(value: float) -> None:
+    """Shared by SpecConfig and the eval's settings (checked there before the target loads)."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"tree_temperature must be a positive number, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     method: str = "jetspec"
@@ -51,8 +57,7 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} is not one of {METHODS}")
-        if not (math.isfinite(self.tree_temperature) and self.tree_temperature > 0):
-            raise ValueError(f"tree_temperature must be a positive number, got {self.tree_temperature}")
+        check_tree_temperature(self.tree_temperature)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl {self.attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
         if self.tree_impl not in TREE_IMPLS:
