@@ -1,30 +1,39 @@
 #!/usr/bin/env bash
-# Are XLA's Triton GEMMs the right choice for the verify pass's small matmuls (M = 16..256 rows of the
-# 576-wide embedded target)? Each setting is timed on the same GPU as its baseline, on `nvidia-h200-x2`:
-#   GPU 0: the step stage by stage (Pallas attention, B = 16/64/256), XLA's default, then with
-#          Triton GEMMs off (cuBLAS for every dot);
-#   GPU 1: a small T=0 eval (16 GSM8K prompts, AR and JetSpec at B = 64/256, 512 new tokens), the
-#          same two settings.
-# Writes $OUT/spec_step_breakdown_gemm_{triton,cublas}_h200.json, $OUT/gemm_{triton,cublas}.jsonl
-# (report them with `python -m jetspec_jax.eval report`) and logs.
+# Are XLA's Triton GEMMs, as autotuned by default, the right choice for the verify pass's small
+# matmuls (M = 16..256 rows of the 576-wide embedded target)? Times XLA_FLAGS settings against the
+# default on `nvidia-h200-x2`, each GPU running its settings one after the other:
+#   step:  the step stage by stage (Pallas attention, B = 16/64/256);
+#   eval:  a small T=0 eval (16 GSM8K prompts, AR and JetSpec at B = 64/256, 512 new tokens).
+# Settings: triton (XLA's default), cublas (Triton GEMMs off: cuBLAS for every dot), exhaustive (the
+# Triton GEMM autotuner searches every tiling).
+# Writes $OUT/spec_step_breakdown_gemm_NAME_h200.json, $OUT/gemm_NAME.jsonl (report them with
+# `python -m jetspec_jax.eval report`) and logs.
 #
-#   bash benchmarks/h200_gemm_backend.sh SECONDS   (repo root, after the model is staged)
+#   bash benchmarks/h200_gemm_backend.sh SECONDS "GPU0 JOBS" "GPU1 JOBS"   (repo root, model staged)
+#   e.g. bash benchmarks/h200_gemm_backend.sh 500 "step:triton step:cublas" "eval:triton eval:cublas"
 set -u
 deadline=$(( $(date +%s) + ${1:-540} ))
 . benchmarks/h200_env.sh
 out=${OUT:-/tmp}
-cublas="--xla_gpu_enable_triton_gemm=false"
-step() {  # name, XLA_FLAGS
-  CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=$2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_$1 within python \
-    benchmarks/spec_step_breakdown.py --attention pallas --budgets 16 64 256 \
-    --out "$out/spec_step_breakdown_gemm_$1_h200.json" > "$out/step_$1.log" 2>&1
+declare -A flags=([triton]="" [cublas]="--xla_gpu_enable_triton_gemm=false"
+                  [exhaustive]="--xla_gpu_exhaustive_tiling_search=true")
+run_job() {  # GPU, kind:setting
+  local gpu=$1 kind=${2%%:*} name=${2#*:}
+  local env=(CUDA_VISIBLE_DEVICES=$gpu "XLA_FLAGS=${flags[$name]}" JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_$name)
+  case $kind in
+    step) env "${env[@]}" bash -c 'within "$@"' _ python benchmarks/spec_step_breakdown.py --attention pallas \
+            --budgets 16 64 256 --out "$out/spec_step_breakdown_gemm_${name}_h200.json" ;;
+    eval) env "${env[@]}" bash -c 'within "$@"' _ python -m jetspec_jax.eval run --benchmarks gsm8k --limit 16 \
+            --methods ar jetspec --budgets 64 256 --temperatures 0 --prompt-bucket 512 --max-new-tokens 512 \
+            --data-dir .carry/evaldata --no-progress --results "$out/gemm_$name.jsonl" ;;
+  esac > "$out/${kind}_${name}_gpu$gpu.log" 2>&1
 }
-eval_run() {  # name, XLA_FLAGS
-  CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=$2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_$1 within python -m jetspec_jax.eval run \
-    --benchmarks gsm8k --limit 16 --methods ar jetspec --budgets 64 256 --temperatures 0 --prompt-bucket 512 \
-    --max-new-tokens 512 --data-dir .carry/evaldata --no-progress --results "$out/gemm_$1.jsonl" > "$out/eval_$1.log" 2>&1
-}
-{ step triton ""; step cublas "$cublas"; } &
-{ eval_run triton ""; eval_run cublas "$cublas"; } &
+export -f within
+export deadline out
+for gpu in 0 1; do
+  jobs=${2:-step:triton step:cublas}
+  [ "$gpu" = 1 ] && jobs=${3:-eval:triton eval:cublas}
+  { for job in $jobs; do run_job "$gpu" "$job"; done; } &
+done
 wait
-tail -n 12 "$out"/*.log
+tail -n 5 "$out"/*.log
