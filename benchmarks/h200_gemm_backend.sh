@@ -5,7 +5,7 @@
 #   step:  the step stage by stage (Pallas attention, B = 16/64/256);
 #   eval:  a small T=0 eval (16 GSM8K prompts, AR and JetSpec at B = 64/256, 512 new tokens).
 # Settings: triton (XLA's default), cublas (Triton GEMMs off: cuBLAS for every dot), exhaustive (the
-# Triton GEMM autotuner searches every tiling).
+# Triton GEMM autotuner searches every tiling; at 5d4974f its compile outlasted a 430 s call).
 # Writes $OUT/spec_step_breakdown_gemm_NAME_h200.json, $OUT/gemm_NAME.jsonl (report them with
 # `python -m jetspec_jax.eval report`) and logs.
 #

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from jetspec_jax.generate import PROMPT_BUCKET
-from jetspec_jax.speculative import ATTENTION_IMPLS
+from jetspec_jax.speculative import ATTENTION_IMPLS, GEMM_BACKENDS
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
 
 from .datasets import BENCHMARKS
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tree-temperature", type=float, default=1.0,
                      help="the tree methods divide the head's logits by this before scoring the tree "
                           "(1 = the published scoring)")
+    run.add_argument("--gemm-backend", choices=list(GEMM_BACKENDS), default="xla",
+                     help="GEMM library of the speculative methods on GPU (AR keeps XLA's): xla or cublas")
     run.add_argument("--prompt-bucket", type=int, default=PROMPT_BUCKET,
                      help="pad prompts to a multiple of this; larger means fewer shapes to compile "
                           "(prefill grows; decode time is reported apart)")
@@ -114,8 +116,8 @@ def main(argv=None) -> int:
             config = EvalConfig(
                 benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
                 temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
-                width=args.width, tree_temperature=args.tree_temperature, attention=args.attention,
-                prompt_bucket=args.prompt_bucket, seed=args.seed,
+                width=args.width, tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend,
+                attention=args.attention, prompt_bucket=args.prompt_bucket, seed=args.seed,
                 data_dir=args.data_dir, results=args.results,
                 head_dirs=parse_heads(args.heads), allow_untrained=args.allow_untrained, model=args.model,
                 dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,

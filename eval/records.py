@@ -86,7 +86,7 @@ def read_meta(results_path: str) -> dict | None:
 
 
 # settings added after results files existed: an older file ran with these values
-SETTINGS_BEFORE_RECORDED = {"tree_temperature": 1.0}
+SETTINGS_BEFORE_RECORDED = {"tree_temperature": 1.0, "gemm_backend": "xla"}
 
 
 def check_compatible(results_path: str, settings: dict, heads: dict[str, str | None]) -> None:

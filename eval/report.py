@@ -67,18 +67,21 @@ def ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def check_one_drafter(rows: list[dict], group: str) -> None:
-    """A group's tau and speedup describe one draft head and one tree scoring: lines of two heads
-    (files of an older and a newer head given together, whose later lines replace only the prompts
-    they share) or of two tree temperatures are refused."""
+def check_one_setup(rows: list[dict], group: str) -> None:
+    """A group's tau and speedup describe one draft head, one tree scoring and one GEMM backend: lines
+    of two heads (files of an older and a newer head given together, whose later lines replace only
+    the prompts they share), of two tree temperatures or of two GEMM backends are refused."""
     shas = sorted({r["head_sha256"] for r in rows if r.get("head_sha256")})
     if len(shas) > 1:
         raise ValueError(f"the results hold {len(shas)} draft heads in one group ({group}): sha256 "
                          f"{', '.join(s[:12] for s in shas)}; report each head's results files separately")
-    temps = sorted({r.get("tree_temperature") or 1.0 for r in rows})  # None (AR, the chain) or older lines: 1
-    if len(temps) > 1:
-        raise ValueError(f"the results hold tree temperatures {', '.join(map(str, temps))} in one group ({group}); "
-                         "report each tree temperature's results files separately")
+    # AR and chain lines carry None, as do lines from before a setting was recorded: its default
+    for field, default, what in (("tree_temperature", 1.0, "tree temperatures"),
+                                 ("gemm_backend", "xla", "GEMM backends")):
+        values = sorted({r.get(field) or default for r in rows})
+        if len(values) > 1:
+            raise ValueError(f"the results hold {what} {', '.join(map(str, values))} in one group ({group}); "
+                             "report the results files of each separately")
 
 
 def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
@@ -90,7 +93,7 @@ def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
         groups[(r["benchmark"], r["method"], r["budget"], r["temperature"], precision(r))].append(r)
     out = []
     for (bench, method, budget, temp, prec), rows in groups.items():
-        check_one_drafter(rows, f"{bench} {method} B={budget} T={temp} {prec}")
+        check_one_setup(rows, f"{bench} {method} B={budget} T={temp} {prec}")
         decoded = sum(map(decoded_tokens, rows))
         paired = [(r, ar[(bench, r["id"], temp, prec)]) for r in rows if (bench, r["id"], temp, prec) in ar]
         scored = [r["correct"] for r in rows if r.get("correct") is not None]
@@ -214,7 +217,8 @@ def header(paths: list[str], metas: list[dict], groups: list[dict]) -> list[str]
         out.append(f"- `{meta['results']}`: target {settings.get('target')}, {settings.get('dtype')} "
                    f"(matmul precision {settings.get('matmul_precision')}), "
                    f"max_new_tokens {settings.get('max_new_tokens')}, width {settings.get('width')}, "
-                   f"tree temperature {settings.get('tree_temperature', 1.0)}, seed {settings.get('seed')}")
+                   f"tree temperature {settings.get('tree_temperature', 1.0)}, "
+                   f"GEMM backend {settings.get('gemm_backend', 'xla')}, seed {settings.get('seed')}")
         for run in meta.get("runs", []):
             env = run["environment"]
             devices = ", ".join(f"{n}x {kind}" for kind, n in Counter(env.get("devices", [])).items())

@@ -16,7 +16,8 @@ from tqdm import tqdm
 from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, generate, pad_prompts, plan_cache_len,
                                   stop_tokens)
 from jetspec_jax.models import draft_head
-from jetspec_jax.speculative import ATTENTION_IMPLS, SpecConfig, check_tree_temperature, speculative_cache_rows
+from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_gemm_backend, check_tree_temperature,
+                                     speculative_cache_rows)
 from jetspec_jax.target import Target, default_dtype, load_target, resolve_target_path
 
 from .datasets import BENCHMARKS, EvalItem, benchmark_path, load_benchmark
@@ -42,6 +43,7 @@ class EvalConfig:
     max_new_tokens: int = 512
     width: int = 7
     tree_temperature: float = 1.0  # the tree methods' scoring temperature (SpecConfig)
+    gemm_backend: str = "xla"  # the speculative methods' GEMM library on GPU (SpecConfig); AR keeps XLA's
     attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
     prompt_bucket: int = PROMPT_BUCKET  # prompts pad to a multiple of this: larger = fewer compilations
     seed: int = 0
@@ -66,10 +68,12 @@ class EvalConfig:
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures if t < 0]
-        try:
-            check_tree_temperature(self.tree_temperature)
-        except ValueError as e:
-            problems.append(str(e))
+        for check, value in ((check_tree_temperature, self.tree_temperature),
+                             (check_gemm_backend, self.gemm_backend)):
+            try:
+                check(value)
+            except ValueError as e:
+                problems.append(str(e))
         if self.matmul_precision not in (None, "default", "high", "highest"):
             problems.append(f"matmul_precision must be default, high or highest, got "
                             f"{self.matmul_precision!r}")
@@ -156,7 +160,8 @@ class Evaluator:
     def timed_generate(self, prompt: str, method: str, budget: int | None, temperature: float,
                        max_new_tokens: int, cache_len: int):
         tree = {} if budget is None else {"budget": budget, "width": self.config.width,
-                                          "tree_temperature": self.config.tree_temperature}
+                                          "tree_temperature": self.config.tree_temperature,
+                                          "gemm_backend": self.config.gemm_backend}
 
         def call():
             return generate(prompt, self.target, method=method, head=self.head(method), **tree,
@@ -194,6 +199,7 @@ class Evaluator:
                 "temperature": spec.temperature,
                 "width": config.width if tree_method else None,
                 "tree_temperature": config.tree_temperature if tree_method else None,
+                "gemm_backend": config.gemm_backend if method != "ar" else None,
                 "attention": config.attention,
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
@@ -252,7 +258,7 @@ def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: st
     """What must not change between runs appending to one results file."""
     return {"target": target_name, "dtype": dtype, "matmul_precision": precision,
             "max_new_tokens": config.max_new_tokens, "width": config.width,
-            "tree_temperature": config.tree_temperature, "seed": config.seed,
+            "tree_temperature": config.tree_temperature, "gemm_backend": config.gemm_backend, "seed": config.seed,
             "attention": config.attention, "prompt_bucket": config.prompt_bucket}
 
 

@@ -11,7 +11,6 @@ Methods: `jetspec` (causal head, best-first tree), `ddtree` (bidirectional head,
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -34,11 +33,23 @@ DRAFT_ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")  # the head's: den
 
 METHODS = ("jetspec", "ddtree", "dflash")
 
+# XLA options per GEMM backend of the generation executable (GPU only; other backends ignore them).
+# "xla" keeps XLA's autotuned Triton GEMMs; "cublas" sends every dot to cuBLAS, which on the H200
+# made the embedded target's B=256 step 11% faster and its B=16 step 7% slower
+# (benchmarks/results/spec_step_breakdown_gemm_*_h200.json)
+GEMM_BACKENDS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+
 
 def check_tree_temperature(value: float) -> None:
     """Shared by SpecConfig and the eval's settings (checked there before the target loads)."""
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"tree_temperature must be a positive number, got {value}")
+
+
+def check_gemm_backend(value: str) -> None:
+    """Shared by SpecConfig and the eval's settings (checked there before the target loads)."""
+    if value not in GEMM_BACKENDS:
+        raise ValueError(f"gemm_backend {value!r} is not one of {', '.join(GEMM_BACKENDS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +64,7 @@ class SpecConfig:
     tree_temperature: float = 1.0  # the head's logits are divided by it before the tree is scored: 1 is the
     # published accum_logp; below 1 sharpens the per-depth distributions, so the best-first growth goes
     # deeper along likely paths. Only which nodes are drafted changes: the output stays exact
+    gemm_backend: str = "xla"  # the GEMM library of the whole generation executable (GEMM_BACKENDS)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -64,6 +76,7 @@ class SpecConfig:
             raise ValueError(f"tree_impl {self.tree_impl!r} is not one of {', '.join(TREE_IMPLS)}")
         if self.compact_impl not in COMPACT_IMPLS:
             raise ValueError(f"compact_impl {self.compact_impl!r} is not one of {', '.join(COMPACT_IMPLS)}")
+        check_gemm_backend(self.gemm_backend)
         validate_tree_settings(self.budget, self.width, self.max_depth if self.max_depth is not None else 1)
 
     def depth(self, drafter_depth: int) -> int:
@@ -126,11 +139,24 @@ def speculative_cache_rows(budget: int, depth: int) -> int:
     return max(budget, depth + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec", "gen", "cache_len"))
 def speculative_generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array,
                          key: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
                          gen: GenerationConfig, cache_len: int) -> SpecOutput:
-    """prompt_tokens (B, P) right-padded; cache_len >= P + max_new_tokens + speculative_cache_rows."""
+    """prompt_tokens (B, P) right-padded; cache_len >= P + max_new_tokens + speculative_cache_rows.
+    Jitted (by `spec.gemm_backend`'s executable); `jitted_generate` gives the jitted function itself."""
+    return jitted_generate(spec.gemm_backend)(params, drafter_params, prompt_tokens, prompt_lens, key, cfg=cfg,
+                                              drafter=drafter, spec=spec, gen=gen, cache_len=cache_len)
+
+
+def jitted_generate(gemm_backend: str):
+    """The jitted generation loop compiled for one GEMM backend (for `.lower(...).compile()`)."""
+    check_gemm_backend(gemm_backend)
+    return _JITTED[gemm_backend]
+
+
+def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array,
+              key: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
+              gen: GenerationConfig, cache_len: int) -> SpecOutput:
     b = prompt_tokens.shape[0]
     depth = spec.depth(drafter.max_depth)
     budget, width = spec.budget, spec.tree_width
@@ -189,6 +215,11 @@ def speculative_generate(params: Any, drafter_params: Any, prompt_tokens: jax.Ar
     positions = jnp.arange(gen.max_new_tokens)[None]
     tokens = jnp.where(positions < num[:, None], out[:, : gen.max_new_tokens], gen.pad_token_id)
     return SpecOutput(tokens=tokens, num_tokens=num, target_forwards=forwards, accept_counts=counts)
+
+
+_JITTED = {name: jax.jit(_generate, static_argnames=("cfg", "drafter", "spec", "gen", "cache_len"),
+                         compiler_options=options)
+           for name, options in GEMM_BACKENDS.items()}
 
 
 def mean_accepted_length(output: SpecOutput) -> jax.Array:

@@ -140,6 +140,21 @@ def test_tree_temperature_is_a_setting_that_older_files_ran_at_one(finished_run,
     assert main(RUN_ARGS + ["--tree-temperature", "0.6", "--results", str(older)]) == 2
 
 
+def test_gemm_backend_is_a_setting_that_older_files_ran_at_xla(finished_run, capsys, tmp_path):
+    results, _ = finished_run
+    assert main(RUN_ARGS + ["--gemm-backend", "cublas", "--results", str(results)]) == 2
+    assert "different settings (gemm_backend)" in capsys.readouterr().err
+    assert {line["method"]: line["gemm_backend"] for line in read_lines(str(results))} == {"ar": None,
+                                                                                          "jetspec": "xla"}
+    older = tmp_path / "older.jsonl"
+    older.write_text(results.read_text())
+    meta = json.loads(open(meta_path(str(results))).read())
+    del meta["settings"]["gemm_backend"]
+    open(meta_path(str(older)), "w").write(json.dumps(meta))
+    assert run_cli(older) == 0
+    assert main(RUN_ARGS + ["--gemm-backend", "cublas", "--results", str(older)]) == 2
+
+
 def test_shipped_heads_serve_every_method(finished_run):
     _, target = finished_run
     heads = resolve_heads(("ar", "dflash", "ddtree", "jetspec"), {}, target.source, allow_untrained=False)
@@ -171,6 +186,7 @@ def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog,
     (["--budgets", "1"], "budget must be >= 2"),
     (["--prompt-bucket", "0"], "prompt_bucket must be >= 1"),
     (["--tree-temperature", "0"], "tree_temperature must be a positive number, got 0"),
+    (["--gemm-backend", "cudnn"], "invalid choice: 'cudnn'"),
     (["--heads", "jetspec=/no/such/head"], "no draft head at /no/such/head"),
     (["--heads", "causal=/tmp"], "expected ROLE=DIR"),
     (["--data-dir", "/no/such/data"], "does not exist; point --data-dir"),

@@ -115,3 +115,12 @@ def test_two_tree_temperatures_in_one_group_are_refused(tmp_path):
     write_lines(tmp_path / "r.jsonl", lines)
     with pytest.raises(ValueError, match=r"tree temperatures 0.6, 1.0 in one group \(gsm8k jetspec B=16"):
         write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "out"))
+
+
+def test_two_gemm_backends_in_one_group_are_refused(tmp_path):
+    """Lines from before the setting was recorded count as XLA's backend."""
+    lines = [line("ar", None), line("jetspec", 16, forwards=4, matches=True), line("ar", None, id="1"),
+             {**line("jetspec", 16, id="1", forwards=5, matches=True), "gemm_backend": "cublas"}]
+    write_lines(tmp_path / "r.jsonl", lines)
+    with pytest.raises(ValueError, match=r"GEMM backends cublas, xla in one group \(gsm8k jetspec B=16"):
+        write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "out"))

@@ -11,7 +11,8 @@ from drafters import TargetGreedyDrafter, random_head
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
 from jetspec_jax.generate import pad_prompts
-from jetspec_jax.speculative import SpecConfig, mean_accepted_length, speculative_cache_rows, speculative_generate
+from jetspec_jax.speculative import (SpecConfig, jitted_generate, mean_accepted_length, speculative_cache_rows,
+                                     speculative_generate)
 
 PROMPTS = [[5, 12, 40], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [90, 3], [33, 34, 35, 36, 37]]
 
@@ -74,6 +75,21 @@ def test_tree_temperature_changes_the_tree_not_the_output(tiny_qwen3):
         np.testing.assert_array_equal(np.asarray(out.tokens), want)
         passes[t] = int(np.asarray(out.target_forwards).sum())
     assert passes[0.05] < passes[1.0]
+
+
+def test_cublas_gemm_backend_is_its_own_executable_with_the_same_tokens(tiny_qwen3):
+    """On the CPU the GEMM option changes nothing, but compiling with it checks that this XLA still
+    knows the option (an unknown one is an error)."""
+    target, _ = tiny_qwen3
+    gen = GenerationConfig(max_new_tokens=20)
+    drafter, head = random_head(target.cfg, jax.random.key(1), attention="causal")
+    want, want_n = run_ar(target, PROMPTS, gen)
+    out = run_spec(target, drafter, head, PROMPTS, gen, SpecConfig("jetspec", 16, 4, gemm_backend="cublas"))
+    np.testing.assert_array_equal(np.asarray(out.num_tokens), want_n)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    assert jitted_generate("cublas") is not jitted_generate("xla")
+    with pytest.raises(ValueError, match="gemm_backend 'cudnn' is not one of xla, cublas"):
+        SpecConfig("jetspec", gemm_backend="cudnn")
 
 
 def test_eos_and_batch_stopping_match_ar(tiny_qwen3):
