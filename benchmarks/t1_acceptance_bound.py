@@ -1,8 +1,10 @@
 """Why tau is low at temperature 1 for the embedded target: how often its own samples fall outside
 its top-W tokens.
 
-    python benchmarks/t1_acceptance_bound.py eval/results/h200_bf16_t1_allkernels_*.jsonl.gz \\
+    python benchmarks/t1_acceptance_bound.py eval/results/h200_bf16_t1_heads7000_*.jsonl.gz \\
         --prompts 8 --out benchmarks/results/t1_acceptance_bound.json
+
+(the recorded JSON replayed the first heads' run, `h200_bf16_t1_allkernels_*`, in git at 04117a5).
 
 At T=1 a verify pass accepts a draft at depth 1 only when the target's sample is one of the root's W
 children, at best the target's own top-W. This replays the eval's T=1 AR outputs through the target
