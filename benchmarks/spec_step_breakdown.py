@@ -35,8 +35,8 @@ from jetspec_jax.autoregressive import GenerationConfig, prefill  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
-from jetspec_jax.speculative import (ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, HeadDrafter, SpecConfig,  # noqa: E402
-                                     speculative_generate)
+from jetspec_jax.speculative import (ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, GEMM_BACKENDS,  # noqa: E402
+                                     HeadDrafter, SpecConfig, speculative_generate)
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
@@ -99,6 +99,9 @@ def main():
                    help="verify attention paths to time")
     p.add_argument("--draft-attention", nargs="+", default=["xla"], choices=DRAFT_ATTENTION_IMPLS,
                    help="the head's attention paths to time (the first is the step's; the others add draft_ms_*)")
+    p.add_argument("--gemm-backends", nargs="+", default=["xla"], choices=list(GEMM_BACKENDS),
+                   help="the generation loop's GEMM backends to time the whole step with (embedded target; "
+                        "the first is loop_step_ms, the others add loop_step_ms_*); the stages keep XLA's")
     p.add_argument("--iters", type=int, default=None, help="loop length (default 50; 8B: 10)")
     p.add_argument("--out", default="benchmarks/results/spec_step_breakdown.json")
     args = p.parse_args()
@@ -157,7 +160,8 @@ def main():
                 + [f"draft_ms_{impl}" for impl in args.draft_attention[1:]] + ["tree_builder", "tree_ms"]
                 + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
                 + ["verify_ms", "accept_commit_ms"] + [f"accept_commit_ms_{c}" for c in args.compactions[1:]]
-                + ["sum_ms", "loop_step_ms", "ar_step_ms", "verify_over_ar", "c_percent"])
+                + ["sum_ms", "loop_step_ms"] + [f"loop_step_ms_{g}" for g in args.gemm_backends[1:]]
+                + ["ar_step_ms", "verify_over_ar", "c_percent"])
     write_json_atomic(args.out, payload)
 
 
@@ -226,18 +230,20 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
                compaction=args.compactions[0], accept_commit_ms=accept_ms[args.compactions[0]])
     row.update({f"tree_ms_{builder}": ms for builder, ms in tree_ms.items() if builder != args.tree_builders[0]})
     row.update({f"accept_commit_ms_{c}": ms for c, ms in accept_ms.items() if c != args.compactions[0]})
-    if args.target == "embedded":
+    for backend in args.gemm_backends if args.target == "embedded" else ():
         spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
-                          compact_impl=args.compactions[0])
+                          compact_impl=args.compactions[0], gemm_backend=backend)
 
-        def full(n):
+        def full(n, spec=spec):
             gen = GenerationConfig(max_new_tokens=n)
             return lambda: speculative_generate(st.params, st.head, st.prompt, st.lens, jax.random.key(0), cfg=cfg,
                                                 drafter=st.drafter, spec=spec, gen=gen, cache_len=st.cache_len)
 
         n_new = 65
         steps = int(full(n_new)().target_forwards.max())
-        row["loop_step_ms"] = (time_call(full(n_new), repeats=5) - time_call(full(1), repeats=5)) / steps * 1e3
+        key = "loop_step_ms" if backend == args.gemm_backends[0] else f"loop_step_ms_{backend}"
+        row[key] = (time_call(full(n_new), repeats=5) - time_call(full(1), repeats=5)) / steps * 1e3
+    row["gemm_backend"] = args.gemm_backends[0]
     return row
 
 
