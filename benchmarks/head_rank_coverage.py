@@ -65,9 +65,10 @@ def draft_ranks(head_params, target_params, tokens, taps, anchors, *, target_cfg
     label_lp = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)
     rank = jnp.minimum(jnp.sum(log_probs > label_lp, axis=-1) + 1, width + 1)
     cand_tokens, _ = top_candidates(log_probs, width)
-    cand_logits = jnp.take_along_axis(logits[0].astype(jnp.float32), cand_tokens, axis=-1)
-    cand_logps = jnp.stack([cand_logits / t - jax.nn.logsumexp(logits[0].astype(jnp.float32) / t, axis=-1,
-                                                               keepdims=True) for t in tree_temperatures])
+    # as the engine scores trees (log_softmax of the logits over the temperature), in fp32, at the same top-W
+    logits32 = logits[0].astype(jnp.float32)
+    cand_logps = jnp.stack([jnp.take_along_axis(jax.nn.log_softmax(logits32 / t, axis=-1), cand_tokens, axis=-1)
+                            for t in tree_temperatures])
     return cand_tokens, cand_logps, rank, labels
 
 

@@ -92,11 +92,12 @@ class TreeAttentionTuning:
     low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
     # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
     tree_block_k: int = 32  # tree nodes per inner step: 32 (one mask word) or 64 (two: half the steps,
-    # each a full 64-key dot like the prefix's; the last row block of a 256-node tree takes up to 8
-    # steps of 32, more than a split of a short prefix does: not yet timed)
+    # each a full 64-key dot like the prefix's). H200 (tree_attention_h200_targets_tree64_bylength.json):
+    # 15% slower at the 8B tree shape; with split_by_length 8-9% faster at the embedded verify: off
     split_by_length: bool = False  # prefix splits divide each sequence's own length, not the cache's
     # rows: with a cache longer than its prefix (every decode step) the capacity-based split leaves the
-    # later splits empty and the first ones long
+    # later splits empty and the first ones long. Same run: equal at the 8B decode shape, faster at
+    # the embedded AR step mid-generation only (~1 us a layer): off
     merge_in_kernel: bool = False  # the last of a row block's split programs to finish (an atomic
     # counter per block) merges the partials and writes the final rows: no merge kernels after the call.
     # H200 (tree_attention_h200_kernel_merge_*.json): with tree_in_last_split and fp32 partials the 8B
