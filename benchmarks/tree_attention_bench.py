@@ -51,12 +51,15 @@ from common import (chained_calls, device_seconds, environment, gpu_microseconds
                     write_json_atomic)
 
 from jetspec_jax.kernels.tree_attention import (  # noqa: E402
-    TreeAttentionTuning, ancestors_from_parents, block_rows_for, head_blocked, kernel_inputs, pack_tree_mask,
-    random_tree_parents, tree_attention, tree_attention_reference, tree_attention_splits)
+    MosaicTreeAttentionTuning, TreeAttentionTuning, ancestors_from_parents, block_rows_for, head_blocked,
+    kernel_inputs, mosaic_unsupported_reason, pack_tree_mask, random_tree_parents, tree_attention,
+    tree_attention_mosaic, tree_attention_mosaic_splits, tree_attention_reference, tree_attention_splits)
+from jetspec_jax.kernels.tree_attention_mosaic import grid_for as mosaic_grid  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
 
 BANDWIDTH, MATMUL_FLOPS = 4.3e12, 790e12
 HEAD_SHAPES = {"qwen3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+MOSAIC_STAGES = (2, 3, 4)  # K/V tiles in flight, each timed as its own path
 TARGETS_US = {("qwen3-8b", 1, 4096, 256): 50.0, ("qwen3-8b", 1, 16384, 16): 30.0}  # the issue's targets
 
 
@@ -143,6 +146,14 @@ def paths_for(q, k, v, lengths, anc, kernel_impl, tuning, baseline=None):
             lambda q, k, v, l, w: baseline.tree_attention_pallas(q, k, v, l, w,
                                                                  interpret=kernel_impl == "pallas_interpret"),
             (k, v, lengths, words), q)
+    if jax.default_backend() == "gpu" and mosaic_unsupported_reason(q, k) is None:
+        for stages in MOSAIC_STAGES:
+            mosaic_tuning = MosaicTreeAttentionTuning(stages=stages)
+            paths[f"mosaic_s{stages}"] = (
+                lambda q, k, v, l, w, t=mosaic_tuning: tree_attention_mosaic(q, k, v, l, w, tuning=t),
+                (k, v, lengths, words), q)
+        paths["mosaic_kernel_only"] = (
+            lambda q, k, v, l, w: tree_attention_mosaic_splits(q, k, v, l, w)[0][:, 0], (k, v, lengths, words), q)
     if jax.default_backend() == "gpu":
         paths["cudnn"] = (lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None],
                                                                           implementation="cudnn"),
@@ -185,18 +196,24 @@ def measure(rows, base, fn, x, rest, iters, nbytes, flops, out_path, payload, al
 
 
 def check_kernel(kernel_impl, tuning, dtype):
-    """The kernel agrees with the reference on one mid-size shape before anything is timed."""
+    """The kernel agrees with the reference on one mid-size shape before anything is timed (and, on
+    the GPU, the Mosaic kernel too: cache rows a multiple of 8 so that it takes the call)."""
     rng = np.random.default_rng(7)
-    q, k, v, lengths, anc = inputs(rng, 2, 64, 32, 8, 128, 700, dtype)
+    q, k, v, lengths, anc = inputs(rng, 2, 64, 32, 8, 128, 700, dtype, spare=4)
     lengths = jnp.asarray([700, 333], jnp.int32)
     words = pack_tree_mask(anc)
-    got = tree_attention(q, k, v, lengths, words, implementation=kernel_impl, tuning=tuning)
-    want = tree_attention_reference(q, k, v, lengths, words)
-    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-    print(f"kernel vs reference max abs error: {err:.3g}", flush=True)
-    if not err < (3e-2 if dtype == jnp.bfloat16 else 1e-4):
-        raise SystemExit(f"the kernel disagrees with the reference (max abs error {err})")
-    return err
+    want = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
+    kernels = {kernel_impl: functools.partial(tree_attention, implementation=kernel_impl, tuning=tuning)}
+    if jax.default_backend() == "gpu" and dtype != jnp.float32:
+        assert mosaic_unsupported_reason(q, k) is None
+        kernels["mosaic"] = tree_attention_mosaic
+    errors = {}
+    for name, fn in kernels.items():
+        errors[name] = float(jnp.max(jnp.abs(fn(q, k, v, lengths, words).astype(jnp.float32) - want)))
+        print(f"{name} kernel vs reference max abs error: {errors[name]:.3g}", flush=True)
+        if not errors[name] < (3e-2 if dtype == jnp.bfloat16 else 1e-4):
+            raise SystemExit(f"the {name} kernel disagrees with the reference (max abs error {errors[name]})")
+    return errors
 
 
 def call_class(heads: int, kv_heads: int, n: int) -> str:
@@ -330,6 +347,8 @@ def main():
                 base = dict(shape=shape_name, batch=batch, L=prefix, N=n, path=name, target_us=target)
                 if name in ("pallas", "pallas_kernel_only"):
                     base["tuning"] = tuning_name(tuning)
+                if name.startswith("mosaic_") and name != "mosaic_fa3_nomask":
+                    base["mosaic_splits"] = mosaic_grid(q.shape, k.shape, MosaicTreeAttentionTuning())[2] // batch
                 measure(payload["attention"], base, fn, x, rest, args.iters, nbytes, flops, args.out, payload,
                         also_while_loop=target is not None and name in ("pallas", "one_op_floor"))
     print_table(payload["sweep"], ["shape", "batch", "L", "N", "call_class", "tuning", "us", "gpu_busy_us",

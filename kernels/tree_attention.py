@@ -40,6 +40,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jetspec_jax.kernels.tree_attention_mosaic import MosaicTreeAttentionTuning, tree_attention_mosaic_splits
+from jetspec_jax.kernels.tree_attention_mosaic import unsupported_reason as mosaic_unsupported_reason
+
 WORD_BITS = 32
 
 
@@ -395,20 +398,38 @@ def default_implementation() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def tree_attention_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array,
+                          *, tuning: MosaicTreeAttentionTuning = MosaicTreeAttentionTuning(),
+                          interpret: bool = False) -> jax.Array:
+    """The Mosaic GPU kernel (Hopper; `mosaic_unsupported_reason` says which calls it takes) and the
+    merge of its splits; same contract as `tree_attention_reference`."""
+    out, lse = tree_attention_mosaic_splits(q, k, v, lengths, tree_words, tuning=tuning, interpret=interpret)
+    return merge_partials(out, jnp.swapaxes(lse, 2, 3), axis=1).astype(q.dtype)
+
+
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
+
+
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array, *,
                    implementation: str | None = None,
-                   tuning: TreeAttentionTuning = TreeAttentionTuning()) -> jax.Array:
-    """Entry point: implementation None picks "pallas" on GPU and "xla" (the reference) elsewhere;
-    "pallas_interpret" runs the kernel's semantics anywhere (tests)."""
+                   tuning: TreeAttentionTuning = TreeAttentionTuning(),
+                   mosaic_tuning: MosaicTreeAttentionTuning = MosaicTreeAttentionTuning()) -> jax.Array:
+    """Entry point: implementation None picks "pallas" on GPU and "xla" (the reference) elsewhere.
+    "mosaic" takes the Mosaic GPU kernel (Hopper) where it supports the call (trees of 64k nodes) and
+    the Triton one for the rest (decode steps, small trees). The *_interpret forms run the kernels'
+    semantics on any backend (tests)."""
     if implementation is None:
         implementation = default_implementation()
     if implementation == "xla":
         return tree_attention_reference(q, k, v, lengths, tree_words)
-    if implementation in ("pallas", "pallas_interpret"):
-        return tree_attention_pallas(q, k, v, lengths, tree_words, tuning=tuning,
-                                     interpret=implementation == "pallas_interpret")
-    raise ValueError(f"unknown tree attention implementation {implementation!r}; "
-                     "use xla, pallas or pallas_interpret")
+    interpret = implementation.endswith("_interpret")
+    if implementation in ("mosaic", "mosaic_interpret") and mosaic_unsupported_reason(q, k) is None:
+        return tree_attention_mosaic(q, k, v, lengths, tree_words, tuning=mosaic_tuning, interpret=interpret)
+    if implementation in IMPLEMENTATIONS:
+        return tree_attention_pallas(q, k, v, lengths, tree_words, tuning=tuning, interpret=interpret)
+    raise ValueError(f"unknown tree attention implementation {implementation!r}; use one of "
+                     f"{', '.join(IMPLEMENTATIONS)}")
 
 
 def random_tree_parents(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
