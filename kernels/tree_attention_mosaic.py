@@ -79,22 +79,30 @@ def _tree_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, out_ref, lse_ref, 
     # register layouts place values for the GPU; jax 0.10's interpreter knows none of them (0.11's does)
     with_layout = (lambda x, layout: x) if interpret else plgpu.layout_cast
     num_nodes = node_blocks * BLOCK
+    num_words = num_nodes // 32
 
-    # Key rows of this split: a share of prefix + tree, in whole blocks; the last split's prefix is
-    # whatever remains of the prefix, then the tree's node_blocks steps.
+    # Key rows of this split, in 64-row tiles from a multiple of 64 (tiled TMA copies must start on a
+    # tile): a share of prefix + tree; the last split runs from its share's start (or the last whole
+    # prefix tile before it, when the prefix ended earlier) through the tree. Tiles whose keys are all
+    # inside [first visible, prefix end) need no mask; the rest ("edge" tiles: the split's ragged end,
+    # the tree) are masked per key.
     length = lengths_ref[b]
-    share = (length + num_nodes + splits * BLOCK - 1) // (splits * BLOCK) * BLOCK
-    start = split * share
-    is_last = (split == splits - 1).astype(jnp.int32)
-    end = jnp.minimum(length, start + share + is_last * length)  # the last split runs to the prefix's end
-    prefix_rows = jnp.maximum(end - start, 0)
-    full_steps = prefix_rows // BLOCK
-    prefix_steps = (prefix_rows + BLOCK - 1) // BLOCK
-    steps = prefix_steps + is_last * node_blocks
+    share = (length + num_nodes + splits * BLOCK - 1) // (splits * BLOCK)  # tiles
+    is_last = split == splits - 1
+    visible_from = split * share * BLOCK  # earlier keys belong to earlier splits
+    prefix_end = jnp.where(is_last, length, jnp.minimum(length, visible_from + share * BLOCK))
+    end = jnp.where(is_last, length + num_nodes, prefix_end)
+    first_tile = jnp.where(is_last, jnp.minimum(split * share, length // BLOCK), split * share)
+    full_steps = jnp.maximum(prefix_end - first_tile * BLOCK, 0) // BLOCK
+    full_steps = jnp.where(first_tile * BLOCK < visible_from, 0, full_steps)
+    steps = jnp.maximum(end - first_tile * BLOCK + BLOCK - 1, 0) // BLOCK
+    cache_rows = k_ref.shape[1]
 
-    def key_row(step):  # first cache row of step's K/V tile
-        in_tree = (step >= prefix_steps).astype(jnp.int32)
-        return (1 - in_tree) * (start + step * BLOCK) + in_tree * (length + (step - prefix_steps) * BLOCK)
+    def tile_row(i):
+        """First cache row of step i's K/V tile: a multiple of 64, or of 8 (a TMA tile) for a last tile
+        that would overhang the cache, moved back to end with it."""
+        nominal = (first_tile + i) * (BLOCK // 8)
+        return (nominal - jnp.maximum(nominal + BLOCK // 8 - cache_rows // 8, 0)) * 8
 
     def schedule_turn():  # the two compute warpgroups take turns on the tensor cores
         plgpu.barrier_arrive(schedule)
@@ -138,16 +146,20 @@ def _tree_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, out_ref, lse_ref, 
                 return product if interpret else acc_ref[...]
             s = pl.run_scoped(qk_product, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            if mask == "tail":  # the split's last, partial prefix block
-                s = jnp.where(column < end - key_row(i), s, -jnp.inf)
-            elif mask == "tree":  # node j of this chunk: bit j % 32 of the row's word 2c + j // 32
-                chunk = i - prefix_steps
-                low = with_layout(words[2 * chunk], ROW_LAYOUT)
-                high = with_layout(words[2 * chunk + 1], ROW_LAYOUT)
-                word = jnp.where(column < 32, lax.broadcast_in_dim(low, s.shape, [0]),
-                                 lax.broadcast_in_dim(high, s.shape, [0]))
-                bit = lax.shift_right_logical(word, lax.bitwise_and(column, 31))
-                s = jnp.where(lax.bitwise_and(bit, 1) != 0, s, -jnp.inf)
+            if mask == "edge":
+                key = tile_row(i) + column  # cache row of each key
+                visible = (key >= visible_from) & (key < prefix_end)
+                node = key - length  # tree node j: bit j % 32 of the row's word j // 32
+                first_word = (tile_row(i) - length) >> 5  # floor: negative where keys are prefix
+                word_of = (node >> 5) - first_word  # 0, 1 or 2 within a tile
+                row_words = [lax.broadcast_in_dim(
+                    with_layout(words[jnp.clip(first_word + t, 0, num_words - 1)], ROW_LAYOUT), s.shape, [0])
+                    for t in range(3)]
+                word = jnp.where(word_of == 0, row_words[0], jnp.where(word_of == 1, row_words[1], row_words[2]))
+                bit = (word >> (node & 31)) & 1
+                visible |= is_last & (node >= 0) & (node < num_nodes) & (bit != 0)
+                # keys before the tile's own start were the previous tile's (a tile moved back off the end)
+                s = jnp.where(visible & (key >= (first_tile + i) * BLOCK), s, -jnp.inf)
             # m is kept in the scaled base-2 units of the exponent, so p is one FMA and an exp2
             m_next = jnp.maximum(m, s.max(axis=1) * scale)
             m_safe = m_next if mask == "none" else jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all masked
@@ -173,10 +185,8 @@ def _tree_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, out_ref, lse_ref, 
             plgpu.barrier_arrive(v_free.at[slot])
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_next, l
 
-        carry = (acc, m, l)
-        carry = lax.fori_loop(0, full_steps, functools.partial(step, mask="none"), carry)
-        carry = lax.fori_loop(full_steps, prefix_steps, functools.partial(step, mask="tail"), carry)
-        acc, m, l = lax.fori_loop(prefix_steps, steps, functools.partial(step, mask="tree"), carry)
+        carry = lax.fori_loop(0, full_steps, functools.partial(step, mask="none"), (acc, m, l))
+        acc, m, l = lax.fori_loop(full_steps, steps, functools.partial(step, mask="edge"), carry)
         pl.when(wg == 0)(schedule_turn)
 
         empty = l == 0.0  # no visible key in this split (an empty share)
@@ -197,7 +207,7 @@ def _tree_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, out_ref, lse_ref, 
 
         def fetch(i):
             slot = lax.rem(i, jnp.int32(stages))
-            rows = (b, pl.ds(key_row(i), BLOCK), kv_head)
+            rows = (b, pl.ds(tile_row(i), BLOCK), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
 

@@ -1,0 +1,90 @@
+"""The Mosaic GPU tree-attention kernel in Mosaic GPU's CPU interpreter against the jnp reference, its
+dispatch (the Triton kernel where it cannot take a call), and its lowering for CUDA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_tree_attention_kernel import make_inputs
+
+from jetspec_jax.kernels.tree_attention import (MosaicTreeAttentionTuning, mosaic_unsupported_reason, tree_attention,
+                                                tree_attention_reference)
+from jetspec_jax.kernels.tree_attention_mosaic import grid_for, tree_attention_mosaic_splits
+
+CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kinds, dtype, splits, stages
+    # two splits, lengths off the 64-row tiles, a sequence with an empty prefix
+    (2, 64, 4, 2, 64, 176, [100, 0], ["random", "wide"], jnp.bfloat16, 2, 2),
+    # 3 query heads per KV head: an odd count of 64-row blocks, so one warpgroup repeats a block unwritten
+    (2, 64, 6, 2, 64, 168, [100, 37], ["deep", "star"], jnp.bfloat16, 3, 2),
+    # head dim 128, two node blocks per head, three K/V stages, the last split's share past the prefix
+    (3, 128, 3, 1, 128, 200, [70, 33, 0], ["chain", "random", "wide"], jnp.float16, 4, 3),
+    # a prefix ending inside the last split's first tile, one split
+    (1, 64, 2, 1, 64, 400, [300], ["random"], jnp.bfloat16, None, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c[1]}-h{c[2]}x{c[3]}-d{c[4]}-{c[6]}")
+def test_mosaic_kernel_matches_reference(case):
+    *shape, dtype, splits, stages = case
+    rng = np.random.default_rng(shape[1] + shape[2])
+    q, k, v, lengths, words = make_inputs(rng, *shape, dtype)
+    want = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
+    tuning = MosaicTreeAttentionTuning(stages=stages, splits=splits)
+    assert mosaic_unsupported_reason(q, k) is None
+    got = tree_attention(q, k, v, lengths, words, implementation="mosaic_interpret",
+                         mosaic_tuning=tuning).astype(jnp.float32)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2, rtol=2e-2)
+    if splits:  # every split was used: the grid had one CTA column per (sequence, split)
+        out, lse = tree_attention_mosaic_splits(q, k, v, lengths, words, tuning=tuning, interpret=True)
+        assert out.shape[1] == splits and lse.shape == (shape[0], splits, shape[2], shape[1])
+
+
+def test_calls_it_cannot_take_go_to_the_triton_kernel():
+    rng = np.random.default_rng(3)
+    q, k, v, lengths, words = make_inputs(rng, 2, 13, 4, 2, 64, 100, [37, 80], ["star", "random"], jnp.bfloat16)
+    assert "multiple of 64" in mosaic_unsupported_reason(q, k)
+    got = tree_attention(q, k, v, lengths, words, implementation="mosaic_interpret")
+    want = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, dtype, needle", [
+    ((1, 100, 4, 64), (1, 256, 2, 64), jnp.bfloat16, "multiple of 64"),
+    ((1, 64, 4, 96), (1, 256, 2, 96), jnp.bfloat16, "head dim 96"),
+    ((1, 64, 4, 64), (1, 256, 2, 64), jnp.float32, "bf16 or f16"),
+    ((1, 64, 4, 64), (1, 250, 2, 64), jnp.bfloat16, "multiple of 8"),
+    ((1, 64, 5, 64), (1, 256, 2, 64), jnp.bfloat16, "multiple of KV heads"),
+])
+def test_unsupported_calls_are_named(q_shape, kv_shape, dtype, needle):
+    q, k = jnp.zeros(q_shape, dtype), jnp.zeros(kv_shape, dtype)
+    assert needle in mosaic_unsupported_reason(q, k)
+    with pytest.raises(ValueError, match="implementation='pallas'"):
+        tree_attention_mosaic_splits(q, k, k, jnp.zeros((1,), jnp.int32),
+                                     jnp.zeros((1, q_shape[1], -(-q_shape[1] // 32)), jnp.uint32), interpret=True)
+
+
+def test_default_splits_fill_one_wave():
+    tuning = MosaicTreeAttentionTuning()
+    assert grid_for((1, 256, 32, 128), (1, 4352, 8, 128), tuning) == (8, 8, 2)  # 128 of 132 CTAs
+    assert grid_for((8, 256, 32, 128), (8, 4352, 8, 128), tuning) == (8, 8, 8)  # 512 CTAs: no split
+    assert grid_for((1, 256, 9, 64), (1, 1280, 3, 64), tuning) == (6, 3, 7)  # 126 CTAs
+
+
+LOWERING_SHAPES = [  # batch, N, heads, kv heads, head dim, cache rows, stages
+    (1, 256, 32, 8, 128, 4352, 2), (8, 256, 32, 8, 128, 4352, 3), (2, 64, 9, 3, 64, 1088, 2),
+    (1, 256, 9, 3, 64, 1280, 4)]
+
+
+@pytest.mark.parametrize("shape", LOWERING_SHAPES)
+def test_kernel_lowers_for_cuda(shape):
+    """Pallas lowers the kernel to a Mosaic GPU module for CUDA (from jax 0.11 with layout inference)."""
+    b, n, h, hkv, d, s, stages = shape
+    args = (jax.ShapeDtypeStruct((b, n, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, n, n // 32), jnp.uint32))
+    lowered = tree_attention_mosaic_splits.trace(*args, tuning=MosaicTreeAttentionTuning(stages=stages)).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
