@@ -118,7 +118,7 @@ def main():
                    iters=iters, rows=[], environment=environment())
     rows = payload["rows"]
     for ctx_len in args.contexts:
-        cache_len = ctx_len + 80 + max(args.budgets) + depth + 1
+        cache_len = -(-(ctx_len + 80 + max(args.budgets) + depth + 1) // 64) * 64  # as plan_cache_len rounds
         prompt = jax.random.randint(jax.random.key(1), (b, ctx_len), 0, cfg.vocab_size)
         lens = jnp.full((b,), ctx_len, jnp.int32)
 

@@ -70,7 +70,7 @@ def test_cli_reports_errors_without_traceback(capsys):
     assert "error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("attention", ["pallas", "cudnn"])
+@pytest.mark.parametrize("attention", ["pallas", "cudnn", "mosaic"])
 def test_gpu_only_attention_paths_are_refused_on_the_cpu(embedded_target, attention):
     with pytest.raises(ValueError, match=f"attention '{attention}' runs only on a GPU"):
         generate("hi", embedded_target, method="jetspec", head=random_head(embedded_target, "causal"),

@@ -288,7 +288,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
 
 
 def block_attention_mask(lengths: jax.Array, block_len: int, max_len: int,
@@ -438,8 +438,9 @@ def forward(
     logits_indices: (B, K) block positions whose logits to compute; None computes all T.
     attention_impl: "auto" (the Pallas kernel on GPU, "xla" elsewhere), "xla" (dense mask over the
     cache), "cudnn" (the same dense mask through jax.nn.dot_product_attention's cuDNN path; GPU,
-    bf16/fp16 only), or "pallas" / "pallas_interpret" (the tree attention kernel with a packed block
-    mask; see kernels/tree_attention.py).
+    bf16/fp16 only), "pallas" / "pallas_interpret" (the tree attention kernel with a packed block
+    mask; see kernels/tree_attention.py), or "mosaic" / "mosaic_interpret" (Hopper's Mosaic GPU kernel
+    where it takes the call, trees of 64k nodes, and the Triton one elsewhere).
     Returns (logits (B, T or K, V) fp32, taps or None, cache).
     """
     b, t = tokens.shape
@@ -449,11 +450,11 @@ def forward(
         raise ValueError(f"attention_impl {attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
     if attention_impl == "auto":
         attention_impl = default_tree_attention()
-    if attention_impl in ("pallas", "cudnn") and jax.default_backend() != "gpu":
+    if attention_impl in ("pallas", "cudnn", "mosaic") and jax.default_backend() != "gpu":
         raise ValueError(f"attention {attention_impl!r} runs only on a GPU (this backend is "
                          f"{jax.default_backend()}); use 'auto' or 'xla'"
-                         + (", or 'pallas_interpret' for the kernel's semantics" if attention_impl == "pallas"
-                            else ""))
+                         + (f", or '{attention_impl}_interpret' for the kernel's semantics"
+                            if attention_impl != "cudnn" else ""))
     x = params["embed"][tokens].astype(dtype)
     cos, sin = rope_tables(positions, rope_inverse_frequencies(cfg))
     if attention_impl in ("xla", "cudnn"):
