@@ -203,20 +203,33 @@ def measure(rows, base, fn, x, rest, iters, nbytes, flops, out_path, payload, al
     return row
 
 
+# The Mosaic kernel's GPU check beyond check_kernel's shape: the CPU tests' cases (odd row-block counts,
+# empty prefixes, several splits, f16, head dim 128) and a last tile moved back off the cache's end.
+MOSAIC_CHECKS = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, dtype, splits
+    (2, 64, 4, 2, 64, 176, [100, 0], jnp.bfloat16, 2), (2, 64, 6, 2, 64, 168, [100, 37], jnp.bfloat16, 3),
+    (3, 128, 3, 1, 128, 200, [70, 33, 0], jnp.float16, 4), (1, 64, 2, 1, 64, 400, [300], jnp.bfloat16, None),
+    (2, 256, 32, 8, 128, 4360, [4100, 1234], jnp.bfloat16, None), (1, 512, 9, 3, 64, 1032, [517], jnp.bfloat16, 5)]
+
+
 def check_kernel(kernel_impl, tuning, dtype):
-    """The kernel agrees with the reference on one mid-size shape before anything is timed (and, on
-    the GPU, the Mosaic kernel too: cache rows a multiple of 8 so that it takes the call)."""
+    """The kernel agrees with the reference on one mid-size shape before anything is timed; on the
+    GPU, so does the Mosaic kernel there and at MOSAIC_CHECKS."""
     rng = np.random.default_rng(7)
     q, k, v, lengths, anc = inputs(rng, 2, 64, 32, 8, 128, 700, dtype, spare=4)
     lengths = jnp.asarray([700, 333], jnp.int32)
-    words = pack_tree_mask(anc)
-    want = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
-    kernels = {kernel_impl: functools.partial(tree_attention, implementation=kernel_impl, tuning=tuning)}
+    calls = [(kernel_impl, functools.partial(tree_attention, implementation=kernel_impl, tuning=tuning),
+              (q, k, v, lengths, anc))]
     if jax.default_backend() == "gpu" and dtype != jnp.float32:
-        assert mosaic_unsupported_reason(q, k) is None
-        kernels["mosaic"] = tree_attention_mosaic
+        calls.append(("mosaic", tree_attention_mosaic, (q, k, v, lengths, anc)))
+        for b, n, h, hkv, d, s, lens, dt, splits in MOSAIC_CHECKS:
+            qc, kc, vc, _, ac = inputs(rng, b, n, h, hkv, d, s - n, dt, spare=0)
+            fn = functools.partial(tree_attention_mosaic, tuning=MosaicTreeAttentionTuning(splits=splits))
+            calls.append((f"mosaic B={b} N={n} H={h}/{hkv} D={d} S={s} {jnp.dtype(dt).name}", fn,
+                          (qc, kc, vc, jnp.asarray(lens, jnp.int32), ac)))
     errors = {}
-    for name, fn in kernels.items():
+    for name, fn, (q, k, v, lengths, anc) in calls:
+        words = pack_tree_mask(anc)
+        want = tree_attention_reference(q, k, v, lengths, words).astype(jnp.float32)
         errors[name] = float(jnp.max(jnp.abs(fn(q, k, v, lengths, words).astype(jnp.float32) - want)))
         print(f"{name} kernel vs reference max abs error: {errors[name]:.3g}", flush=True)
         if not errors[name] < (3e-2 if dtype == jnp.bfloat16 else 1e-4):
@@ -315,6 +328,7 @@ def main():
     p.add_argument("--targets-only", action="store_true", help="time only the issue's two target shapes")
     p.add_argument("--paths", nargs="+", default=None,
                    help="time only these paths (e.g. pallas tokamax_mosaic); default: every path")
+    p.add_argument("--check-only", action="store_true", help="check the kernels against the reference, then stop")
     p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep: the kernel's default tuning")
     p.add_argument("--baseline-kernel", default=None,
                    help="an earlier kernels/tree_attention.py (saved with git show) to time alongside")
@@ -335,6 +349,9 @@ def main():
                    baseline_kernel=args.baseline_kernel, environment=environment())
     if not args.quick:
         payload["kernel_max_abs_error_vs_reference"] = check_kernel(args.kernel_impl, TreeAttentionTuning(), dtype)
+        if args.check_only:
+            write_json_atomic(args.out, payload)
+            return
     best, best_at = (({"tree": TreeAttentionTuning(), "decode": TreeAttentionTuning()}, {}) if args.no_sweep
                      else tuning_sweep(args, dtype, payload))
     payload["tuning"] = {cls: tuning_name(t) for cls, t in best.items()}

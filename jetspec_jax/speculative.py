@@ -58,7 +58,7 @@ class SpecConfig:
     budget: int = 64  # tree nodes verified per step, the root included
     width: int = 7  # candidates per depth (ignored by dflash, which uses 1)
     max_depth: int | None = None  # None: as deep as the drafter predicts
-    attention_impl: str = "auto"  # verify attention (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
+    attention_impl: str = "auto"  # verify attention (qwen3.ATTENTION_IMPLS); auto = a Pallas kernel on GPU
     tree_impl: str = "auto"  # tree builder (kernels.tree_build.IMPLEMENTATIONS); auto = Pallas kernel on GPU
     compact_impl: str = "auto"  # cache compaction (kernels.cache_compact.IMPLEMENTATIONS); auto = Pallas on GPU
     tree_temperature: float = 1.0  # the head's logits are divided by it before the tree is scored: 1 is the

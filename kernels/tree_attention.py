@@ -398,6 +398,12 @@ def default_implementation() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+# Splits from which `merge_weighted` beats `merge_partials` (H200, tree_attention_h200_mosaic_*.json):
+# at 8 splits 14.3 vs 17.2 and 19.3 vs 22.0 us whole call, at 22 12.2 vs 12.6; at 2 splits 45.5 vs
+# 44.9 and 23.9 vs 23.2, and 17.0 vs 15.3 at 7 with head dim 64 (a shape Mosaic is not picked for).
+WEIGHTED_MERGE_FROM = 8
+
+
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
 def tree_attention_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array,
                           *, tuning: MosaicTreeAttentionTuning = MosaicTreeAttentionTuning(),
@@ -405,13 +411,16 @@ def tree_attention_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
     """The Mosaic GPU kernel (Hopper; `mosaic_unsupported_reason` says which calls it takes) and the
     merge of its splits; same contract as `tree_attention_reference`."""
     out, lse = tree_attention_mosaic_splits(q, k, v, lengths, tree_words, tuning=tuning, interpret=interpret)
+    if out.shape[1] < WEIGHTED_MERGE_FROM:
+        return merge_partials(out, jnp.swapaxes(lse, 2, 3), axis=1).astype(q.dtype)
     return merge_weighted(out, lse).astype(q.dtype)
+
 
 
 def merge_weighted(out: jax.Array, lse: jax.Array) -> jax.Array:
     """The Mosaic kernel's splits, out (B, P, N, H, D) and lse (B, P, H, N), merged in fp32: each
     split's weight exp(lse_p - lse_total) from the small lse array first, then one weighted sum over
-    P (`combine_partials` over P slices became four XLA kernels, 8.6 us at P=8 on the H200)."""
+    P (`combine_partials` over P slices became four XLA kernels at P=8)."""
     if out.shape[1] == 1:
         return out[:, 0]
     top = jnp.max(lse, axis=1, keepdims=True)
@@ -421,19 +430,29 @@ def merge_weighted(out: jax.Array, lse: jax.Array) -> jax.Array:
     return jnp.einsum("bpnhd,bpnh->bnhd", out.astype(jnp.float32), weights)
 
 
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
+
+
+def mosaic_preferred(q: jax.Array, k: jax.Array) -> bool:
+    """Whether "auto" takes the Mosaic kernel: on Hopper, for calls it supports with head dim 128. On
+    the H200 (tree_attention_h200_mosaic_qwen3_8b.json) it beat the Triton kernel's whole call at 11
+    of the 12 tree shapes of Qwen3-8B's heads (L=4096 N=256: 45.5 against 55.9 us; not at L=1024
+    N=64, 14.3 against 11.0), and lost at the embedded model's (9/3 heads of dim 64) three timed."""
+    if jax.default_backend() != "gpu" or q.shape[-1] != 128 or mosaic_unsupported_reason(q, k) is not None:
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array, *,
                    implementation: str | None = None,
                    tuning: TreeAttentionTuning = TreeAttentionTuning(),
                    mosaic_tuning: MosaicTreeAttentionTuning = MosaicTreeAttentionTuning()) -> jax.Array:
-    """Entry point: implementation None picks "pallas" on GPU and "xla" (the reference) elsewhere.
-    "mosaic" takes the Mosaic GPU kernel (Hopper) where it supports the call (trees of 64k nodes) and
-    the Triton one for the rest (decode steps, small trees). The *_interpret forms run the kernels'
-    semantics on any backend (tests)."""
-    if implementation is None:
-        implementation = default_implementation()
+    """Entry point. "mosaic" takes the Mosaic GPU kernel (Hopper) where it supports the call (trees of
+    64k nodes) and the Triton one ("pallas") for the rest (decode steps, small trees); "auto" (or
+    None) takes "mosaic" where `mosaic_preferred`, else "pallas" on GPU and "xla" (the reference)
+    elsewhere. The *_interpret forms run the kernels' semantics on any backend (tests)."""
+    if implementation in (None, "auto"):
+        implementation = "mosaic" if mosaic_preferred(q, k) else default_implementation()
     if implementation == "xla":
         return tree_attention_reference(q, k, v, lengths, tree_words)
     interpret = implementation.endswith("_interpret")

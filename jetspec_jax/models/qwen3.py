@@ -436,8 +436,8 @@ def forward(
     is always visible. `cache.lengths` is not advanced.
     tap_layers: layer indices whose outputs to return (HF hidden_states[i+1]), as (B, T, n, D).
     logits_indices: (B, K) block positions whose logits to compute; None computes all T.
-    attention_impl: "auto" (the Pallas kernel on GPU, "xla" elsewhere), "xla" (dense mask over the
-    cache), "cudnn" (the same dense mask through jax.nn.dot_product_attention's cuDNN path; GPU,
+    attention_impl: "auto" (a Pallas kernel on GPU, picked per call by `tree_attention`; "xla"
+    elsewhere), "xla" (dense mask over the cache), "cudnn" (the same dense mask through jax.nn.dot_product_attention's cuDNN path; GPU,
     bf16/fp16 only), "pallas" / "pallas_interpret" (the tree attention kernel with a packed block
     mask; see kernels/tree_attention.py), or "mosaic" / "mosaic_interpret" (Hopper's Mosaic GPU kernel
     where it takes the call, trees of 64k nodes, and the Triton one elsewhere).
@@ -448,8 +448,8 @@ def forward(
     dtype = params["embed"].dtype
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl {attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
-    if attention_impl == "auto":
-        attention_impl = default_tree_attention()
+    if attention_impl == "auto" and default_tree_attention() == "xla":
+        attention_impl = "xla"  # on GPU "auto" goes to tree_attention, which picks a kernel per call
     if attention_impl in ("pallas", "cudnn", "mosaic") and jax.default_backend() != "gpu":
         raise ValueError(f"attention {attention_impl!r} runs only on a GPU (this backend is "
                          f"{jax.default_backend()}); use 'auto' or 'xla'"
