@@ -5,26 +5,25 @@ lengths[b] .. lengths[b]+N-1 the tree nodes (written there by the verify forward
 whole prefix and the nodes whose bit is set in its row of a packed ancestor mask (B, N, ceil(N/32))
 uint32, never a dense N x (L+N) mask. GQA: query head h reads kv head h // (H / Hkv).
 
-`tree_attention` dispatches: the Pallas kernel (Triton lowering) on GPU, the plain-jnp reference
-elsewhere. The kernel is split-K (flash-decoding): each program handles one (batch, KV head, block of query
-rows, key split). A block is one query head's run of nodes, read and written in place, when its size
-divides N (`head_blocked`); otherwise its rows are (query head of the KV head's group, node) pairs,
-so a small tree's GQA group shares its K/V loads. The last split takes the tree nodes, the others
-share the prefix, and a log-sum-exp merge combines them (XLA's after the call, or with
-`merge_in_kernel` the last program's of each row block).
+`tree_attention` dispatches: on GPU the Pallas kernel here (Triton lowering), or on Hopper for the
+calls it takes with head dim 128 the Mosaic GPU kernel of tree_attention_mosaic.py; the plain-jnp
+reference elsewhere. This kernel is split-K (flash-decoding): each program handles one (batch, KV
+head, block of query rows, key split). A block is one query head's run of nodes, read and written in
+place, when its size divides N (`head_blocked`); otherwise its rows are (query head of the KV head's
+group, node) pairs, so a small tree's GQA group shares its K/V loads. The last split takes the tree
+nodes, the others share the prefix, and a log-sum-exp merge combines them (XLA's after the call, or
+with `merge_in_kernel` the last program's of each row block).
 
 Checked with jax 0.10.2 on the CPU (interpret=True against the reference, and the Triton module
 lowered for CUDA passes MLIR's verifier) and with jax 0.11.2 on an H200 (Triton lowering; on the GPU's
 own clock faster than XLA's dense-mask attention and cuDNN at all 36 benchmarked shapes:
 benchmarks/results/tree_attention_h200_gpu_clock_*.json).
 
-Triton lowering rather than Mosaic GPU (`plgpu` for Hopper), by measurement (same files): upstream's
-Mosaic FlashAttention-3, with no mask and no split-K, takes 55 us of GPU time at batch 1 L=4096 N=256
-where this kernel's whole call, masked, takes 58 (kernel alone 53; 54.5 and 49.7 with the later
-tree_in_last_split and bf16 partials, tree_attention_h200_rows32_sweep.json), and 199 us at
-L=16384 N=16 where this one takes 29. FA3 wins where the work is large and compute-bound (batch 8,
-N=256: 82% of the matmul rate against 47%), so a Mosaic port with the tree mask, GQA sharing and
-split-K is where the next gain lies.
+Triton or Mosaic GPU, by measurement on the H200 (tree_attention_h200_mosaic_*.json): the Mosaic
+kernel, warp-specialised with wgmma, runs the Qwen3-8B tree shapes 20-45% faster (L=4096 N=256: 44.9
+us whole call against 55.9), the embedded model's (head dim 64) slower, and takes no decode step
+(N must be a multiple of 64), where this kernel's split-K over 64-row programs stays the fastest
+(L=16384 N=16: 25.9 us against 199 for upstream's FA3 without split-K).
 """
 
 from __future__ import annotations

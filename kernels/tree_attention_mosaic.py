@@ -10,10 +10,13 @@ splits balance), and `merge_partials` combines the per-split (output, log-sum-ex
 
 Why a second kernel: the Triton-lowered one runs one 64-row warpgroup per program with no warp
 specialisation, and at the Qwen3-8B tree shape (L=4096, N=256) sat at about 47% of the bf16 matmul
-rate; upstream's Mosaic FlashAttention-3 ran 82% at larger shapes.
+rate; this one reaches 51% there (kernel 40.4 us against 52.0 on the H200) and more at batch 8.
 
-Needs N % 64 == 0, head dim 64 or 128, bf16 or f16. Checked with jax 0.10.2 on the CPU (Mosaic GPU's
-interpret mode, against the reference) and jax 0.11.2 on an H200.
+Needs N % 64 == 0, head dim 64 or 128, bf16 or f16, cache rows a multiple of 8 (`unsupported_reason`).
+Checked with jax 0.10.2 on the CPU (Mosaic GPU's interpreter against the reference; that version's
+interpreter knows no register layouts nor transposed shared-memory operands, so under `interpret` the
+layouts are dropped and the products are jnp dots) and with jax 0.11.2 on an H200 against the
+reference (benchmarks/results/tree_attention_h200_mosaic_check.json).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ COMPUTE_WARPGROUPS = 2
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTreeAttentionTuning:
-    stages: int = 4  # K/V tiles in flight per CTA: of 2/3/4 on the H200 4 was best or level at every
-    # shape timed (8B tree shape: 40.3 us kernel against 41.3 and 44.3; tree_attention_h200_mosaic.json)
+    stages: int = 4  # K/V tiles in flight per CTA: of 2/3/4 on the H200 4 was fastest at the 8B tree
+    # shape (kernel 40.3 us against 41.3 and 44.3) and within 3% of the best elsewhere
+    # (tree_attention_h200_mosaic_07aefb2_*.json)
     splits: int | None = None  # prefix splits; None: as many as fit the CTAs of a split in one wave
     target_ctas: int = 132  # one CTA per multiprocessor (registers allow one), 132 on the H200
 
@@ -118,7 +122,8 @@ def _tree_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, out_ref, lse_ref, 
         node0 = row_block % node_blocks * BLOCK
         q_tile, words = q_smem.at[wg], words_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(node0, BLOCK), head], q_tile, q_barriers.at[wg])
-        plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(node0, BLOCK)], words, q_barriers.at[COMPUTE_WARPGROUPS + wg])
+        plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(node0, BLOCK)], words,
+                                q_barriers.at[COMPUTE_WARPGROUPS + wg])
         plgpu.barrier_wait(q_barriers.at[wg])
         plgpu.barrier_wait(q_barriers.at[COMPUTE_WARPGROUPS + wg])
         d = q_tile.shape[-1]

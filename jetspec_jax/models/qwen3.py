@@ -437,10 +437,11 @@ def forward(
     tap_layers: layer indices whose outputs to return (HF hidden_states[i+1]), as (B, T, n, D).
     logits_indices: (B, K) block positions whose logits to compute; None computes all T.
     attention_impl: "auto" (a Pallas kernel on GPU, picked per call by `tree_attention`; "xla"
-    elsewhere), "xla" (dense mask over the cache), "cudnn" (the same dense mask through jax.nn.dot_product_attention's cuDNN path; GPU,
-    bf16/fp16 only), "pallas" / "pallas_interpret" (the tree attention kernel with a packed block
-    mask; see kernels/tree_attention.py), or "mosaic" / "mosaic_interpret" (Hopper's Mosaic GPU kernel
-    where it takes the call, trees of 64k nodes, and the Triton one elsewhere).
+    elsewhere), "xla" (dense mask over the cache), "cudnn" (the same dense mask through
+    jax.nn.dot_product_attention's cuDNN path; GPU, bf16/fp16 only), "pallas" / "pallas_interpret"
+    (the tree attention kernel with a packed block mask; see kernels/tree_attention.py), or "mosaic" /
+    "mosaic_interpret" (Hopper's Mosaic GPU kernel where it takes the call, trees of 64k nodes, and
+    the Triton one elsewhere).
     Returns (logits (B, T or K, V) fp32, taps or None, cache).
     """
     b, t = tokens.shape
