@@ -22,6 +22,10 @@ CASES = [  # batch, N, heads, kv heads, head dim, cache rows, lengths, tree kind
     (3, 128, 3, 1, 128, 200, [70, 33, 0], ["chain", "random", "wide"], jnp.float16, 4, 3),
     # a prefix ending inside the last split's first tile, one split
     (1, 64, 2, 1, 64, 400, [300], ["random"], jnp.bfloat16, None, 2),
+    # GQA ratios 1, 4 and 8 (the cases above have 2 and 3)
+    (2, 64, 2, 2, 64, 136, [61, 5], ["chain", "star"], jnp.bfloat16, 2, 2),
+    (1, 64, 4, 1, 64, 96, [29], ["deep"], jnp.bfloat16, None, 3),
+    (1, 64, 8, 1, 64, 80, [16], ["wide"], jnp.bfloat16, 2, 4),
 ]
 
 
