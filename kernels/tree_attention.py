@@ -434,9 +434,10 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret", "mosaic", "mosai
 
 def mosaic_preferred(q: jax.Array, k: jax.Array) -> bool:
     """Whether "auto" takes the Mosaic kernel: on Hopper, for calls it supports with head dim 128. On
-    the H200 (tree_attention_h200_mosaic_qwen3_8b.json) it beat the Triton kernel's whole call at 11
-    of the 12 tree shapes of Qwen3-8B's heads (L=4096 N=256: 45.5 against 55.9 us; not at L=1024
-    N=64, 14.3 against 11.0), and lost at the embedded model's (9/3 heads of dim 64) three timed."""
+    the H200 (tree_attention_h200_mosaic_*.json) it beat the Triton kernel's whole call at 11 of the
+    12 tree shapes of Qwen3-8B's heads (L=4096 N=256: 45.5 against 55.9 us; not at L=1024 N=64, 14.3
+    against 11.0), but at 5 of 12 of the embedded model's (9/3 heads of dim 64), none of them the
+    short contexts its eval runs (L=1024 N=256: 15.4 against 10.3)."""
     if jax.default_backend() != "gpu" or q.shape[-1] != 128 or mosaic_unsupported_reason(q, k) is not None:
         return False
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
