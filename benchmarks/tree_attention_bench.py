@@ -52,8 +52,9 @@ from common import (chained_calls, device_seconds, environment, gpu_microseconds
 
 from jetspec_jax.kernels.tree_attention import (  # noqa: E402
     MosaicTreeAttentionTuning, TreeAttentionTuning, ancestors_from_parents, block_rows_for, head_blocked,
-    kernel_inputs, merge_partials, mosaic_unsupported_reason, pack_tree_mask, random_tree_parents, tree_attention,
-    tree_attention_mosaic, tree_attention_mosaic_splits, tree_attention_reference, tree_attention_splits)
+    kernel_inputs, merge_mosaic_splits, mosaic_unsupported_reason, pack_tree_mask, random_tree_parents,
+    tree_attention, tree_attention_mosaic, tree_attention_mosaic_splits, tree_attention_reference,
+    tree_attention_splits)
 from jetspec_jax.kernels.tree_attention_mosaic import grid_for as mosaic_grid  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
 
@@ -104,11 +105,6 @@ def tokamax_attention(implementation: str):
     return run
 
 
-def _swap_lse(splits):
-    out, lse = splits
-    return out, jnp.swapaxes(lse, 2, 3)
-
-
 def kernel_only(q, k, v, lengths, anc, kernel_impl, tuning):
     """The pallas_call without the layout and merge around it (where the time goes). Its chain state
     is the kernel's q input; one slice-and-cast op per call links the chain."""
@@ -157,9 +153,9 @@ def paths_for(q, k, v, lengths, anc, kernel_impl, tuning, baseline=None):
             paths[f"mosaic_s{stages}"] = (
                 lambda q, k, v, l, w, t=mosaic_tuning: tree_attention_mosaic(q, k, v, l, w, tuning=t),
                 (k, v, lengths, words), q)
-        paths["mosaic_merge_partials"] = (  # the Triton path's merge over the same splits, for comparison
-            lambda q, k, v, l, w: merge_partials(*_swap_lse(tree_attention_mosaic_splits(q, k, v, l, w)), axis=1
-                                                 ).astype(q.dtype), (k, v, lengths, words), q)
+        paths["mosaic_merge_partials"] = (  # the per-slice merge at any split count, for comparison
+            lambda q, k, v, l, w: merge_mosaic_splits(*tree_attention_mosaic_splits(q, k, v, l, w), weighted=False
+                                                      ).astype(q.dtype), (k, v, lengths, words), q)
         paths["mosaic_kernel_only"] = (
             lambda q, k, v, l, w: tree_attention_mosaic_splits(q, k, v, l, w)[0][:, 0], (k, v, lengths, words), q)
     if jax.default_backend() == "gpu":

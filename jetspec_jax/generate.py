@@ -171,7 +171,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
     method "ar" decodes token by token; "jetspec", "ddtree" and "dflash" decode speculatively with
     `head` = (DraftConfig, params) and give the same tokens at temperature 0 and the same
     distribution at temperature > 0. `attention` picks the attention path of decode steps and verify
-    passes (see qwen3.ATTENTION_IMPLS; "auto" is the Pallas tree kernel on GPU). Prompts are
+    passes (see qwen3.ATTENTION_IMPLS; "auto" is a Pallas tree kernel on GPU). Prompts are
     right-padded to a multiple of `prompt_bucket`: a larger bucket means fewer shapes to compile.
     `tree_temperature` divides the head's logits before the tree is scored and `gemm_backend` picks
     the speculative loop's GEMM library on GPU (both SpecConfig).
@@ -208,7 +208,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                    target.cfg.max_position_embeddings, max_cache_len, extra=extra)
         out, compile_s, run_s = compiled_call(
-            jitted_generate(gemm_backend), (target.params, head_params, tokens, lengths, key),
+            jitted_generate(spec.gemm_backend), (target.params, head_params, tokens, lengths, key),
             dict(cfg=target.cfg, drafter=drafter, spec=spec, gen=gen, cache_len=cache_len))
         stats = dict(target_forwards=int(np.sum(out.target_forwards)),
                      accept_counts=np.asarray(out.accept_counts).sum(0).tolist())
@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or cublas (faster at budget 256 on the H200, slower at 16 and 64)")
     p.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                    help="attention of decode steps and verify passes: xla (dense mask), cudnn, "
-                        "pallas (tree kernel, GPU), auto (pallas on GPU, else xla)")
+                        "pallas (Triton tree kernel, GPU), mosaic (Hopper tree kernel where it applies, "
+                        "else pallas), auto (mosaic or pallas per call on GPU, else xla)")
     return p
 
 

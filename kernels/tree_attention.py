@@ -410,17 +410,20 @@ def tree_attention_mosaic(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
     """The Mosaic GPU kernel (Hopper; `mosaic_unsupported_reason` says which calls it takes) and the
     merge of its splits; same contract as `tree_attention_reference`."""
     out, lse = tree_attention_mosaic_splits(q, k, v, lengths, tree_words, tuning=tuning, interpret=interpret)
-    if out.shape[1] < WEIGHTED_MERGE_FROM:
-        return merge_partials(out, jnp.swapaxes(lse, 2, 3), axis=1).astype(q.dtype)
-    return merge_weighted(out, lse).astype(q.dtype)
+    return merge_mosaic_splits(out, lse).astype(q.dtype)
+
+
+def merge_mosaic_splits(out: jax.Array, lse: jax.Array, weighted: bool | None = None) -> jax.Array:
+    """The Mosaic kernel's splits, out (B, P, N, H, D) and lse (B, P, H, N), merged in fp32 by
+    `merge_weighted` or per slice (`merge_partials`); None picks by the split count."""
+    if weighted is None:
+        weighted = out.shape[1] >= WEIGHTED_MERGE_FROM
+    return merge_weighted(out, lse) if weighted else merge_partials(out, jnp.swapaxes(lse, 2, 3), axis=1)
 
 
 def merge_weighted(out: jax.Array, lse: jax.Array) -> jax.Array:
-    """The Mosaic kernel's splits, out (B, P, N, H, D) and lse (B, P, H, N), merged in fp32: each
-    split's weight exp(lse_p - lse_total) from the small lse array first, then one weighted sum over
-    P (`combine_partials` over P slices became four XLA kernels at P=8)."""
-    if out.shape[1] == 1:
-        return out[:, 0]
+    """Each split's weight exp(lse_p - lse_total) from the small lse array first, then one weighted
+    sum over P (`combine_partials` over P slices became four XLA kernels at P=8)."""
     top = jnp.max(lse, axis=1, keepdims=True)
     weights = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # an empty split weighs 0
     total = jnp.sum(weights, axis=1, keepdims=True)
