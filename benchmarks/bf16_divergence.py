@@ -49,7 +49,7 @@ def main():
     target = load_target(dtype=jnp.dtype(args.dtype))
     with jax.default_matmul_precision("highest"):
         exact = load_target(dtype=jnp.float32, with_tokenizer=False)
-    head = load_head(packaged_head_path(target.source, "jetspec"), target.params["embed"].dtype)
+    head = load_head(packaged_head_path(target, "jetspec"), target.params["embed"].dtype)
     questions = [item.prompt for item in load_benchmark("gsm8k", args.data_dir, args.prompts)]
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)
     spec = generate(questions, target, method="jetspec", head=head, budget=args.budget,

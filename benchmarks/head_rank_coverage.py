@@ -115,7 +115,7 @@ def main():
 
     dtype = default_dtype()
     target = load_target(dtype=dtype)
-    head_dirs = args.head or [packaged_head_path(target.source, m) for m in ("jetspec", "ddtree")]
+    head_dirs = args.head or [packaged_head_path(target, m) for m in ("jetspec", "ddtree")]
     heads = [(d, *load_head(d, dtype)) for d in head_dirs]
     questions = [item.prompt for item in load_benchmark(args.benchmark, args.data_dir, args.prompts)]
     ar = generate(questions, target, max_new_tokens=args.max_new_tokens)

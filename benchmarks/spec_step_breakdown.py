@@ -67,7 +67,7 @@ def load_models(args, dtype):
         head = init_params(draft_head.param_specs(head_cfg), jax.random.key(1), dtype)
         return cfg, params, head_cfg, head, f"Qwen3-8B-shaped ({cfg.num_layers} layers), random weights"
     target = load_target(dtype=dtype, with_tokenizer=False)
-    path = args.head or packaged_head_path(target.source, "jetspec")
+    path = args.head or packaged_head_path(target, "jetspec")
     if path and path != "untrained":
         head_cfg, head = load_head(path, dtype)
         head_name = os.path.basename(os.path.normpath(path))

@@ -69,7 +69,7 @@ def main():
     dtype = default_dtype()
     target = load_target(dtype=dtype, with_tokenizer=False)
     cfg = target.cfg
-    head_cfg, head = load_head(packaged_head_path(target.source, "jetspec"), dtype)
+    head_cfg, head = load_head(packaged_head_path(target, "jetspec"), dtype)
     drafter = HeadDrafter(head_cfg, cfg)
     prompt = jax.random.randint(jax.random.key(1), (1, args.context), 0, cfg.vocab_size)
     lens = jnp.full((1,), args.context, jnp.int32)

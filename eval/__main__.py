@@ -11,6 +11,8 @@ import argparse
 import logging
 import sys
 
+from jetspec_jax import cache
+from jetspec_jax.errors import OneLineErrorParser, run_command
 from jetspec_jax.generate import PROMPT_BUCKET
 from jetspec_jax.speculative import ATTENTION_IMPLS, GEMM_BACKENDS
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
@@ -19,13 +21,6 @@ from .datasets import BENCHMARKS
 from .heads import ATTENTION_OF_ROLE
 from .report import write_report
 from .runner import DEFAULT_BUDGETS, DEFAULT_RESULTS, METHODS, RESULTS_DIR, EvalConfig, run_eval
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Usage mistakes print one `error:` line and exit 2, like every other bad input here."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def parse_heads(values: list[str]) -> dict[str, str]:
@@ -84,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "equal AR's exactly; jax's default otherwise)")
     run.add_argument("--code-timeout", type=float, default=10.0, help="seconds per HumanEval/MBPP program")
     run.add_argument("--no-progress", action="store_true")
+    cache.add_cache_flags(run)
     report = sub.add_parser("report", help="report.md, report.json and plots from results files")
     report.add_argument("results", nargs="+", help="one or more results .jsonl files")
     report.add_argument("--out", default=RESULTS_DIR, help="output directory (default: eval/results)")
@@ -108,30 +104,32 @@ def show_eval_logs() -> None:
         logger.setLevel(logging.INFO)
 
 
-def main(argv=None) -> int:
+def eval_command(argv=None) -> int:
     args = build_parser().parse_args(argv)
     show_eval_logs()
-    try:
-        if args.command == "run":
-            config = EvalConfig(
-                benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
-                temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
-                width=args.width, tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend,
-                attention=args.attention, prompt_bucket=args.prompt_bucket, seed=args.seed,
-                data_dir=args.data_dir, results=args.results,
-                head_dirs=parse_heads(args.heads), allow_untrained=args.allow_untrained, model=args.model,
-                dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,
-                progress=not args.no_progress)
-            summary = run_eval(config, command=["python", "-m", "jetspec_jax.eval",
-                                                *(sys.argv[1:] if argv is None else argv)])
-            print(f"{args.results}: {summary['written']} lines written, {summary['skipped']} already there")
-        else:
-            paths = write_report(args.results, args.out)
-            print("\n".join(paths))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "run":
+        cache.configure(args.cache_dir, enabled=not args.no_cache)
+        config = EvalConfig(
+            benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
+            temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
+            width=args.width, tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend,
+            attention=args.attention, prompt_bucket=args.prompt_bucket, seed=args.seed,
+            data_dir=args.data_dir, results=args.results,
+            head_dirs=parse_heads(args.heads), allow_untrained=args.allow_untrained, model=args.model,
+            dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,
+            progress=not args.no_progress)
+        summary = run_eval(config, command=["python", "-m", "jetspec_jax.eval",
+                                            *(sys.argv[1:] if argv is None else argv)])
+        print(f"{args.results}: {summary['written']} lines written, {summary['skipped']} already there")
+    else:
+        paths = write_report(args.results, args.out)
+        print("\n".join(paths))
     return 0
+
+
+def main(argv=None) -> int:
+    """The CLI: bad input is one `error:` line and exit status 2."""
+    return run_command(eval_command, argv)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@ METHOD.md section 7 format, plus what scoring needs), in file order."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Callable
 
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR, MATH_INSTRUCTION
+from jetspec_jax.errors import DamagedFileError
+from jetspec_jax.train.regenerate import DATA_FIX, DEFAULT_DATA_DIR, MATH_INSTRUCTION, read_jsonl
 
 MBPP_TEST_IDS = range(11, 511)  # MBPP's test split; 1-10 are few-shot examples, 511+ validation/train
 HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -86,12 +86,16 @@ def load_benchmark(name: str, data_dir: str | None = None, limit: int | None = N
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None (all), got {limit}")
     items = []
-    with open(benchmark_path(name, data_dir), encoding="utf-8") as f:
-        for line, text in enumerate(f):
-            if limit is not None and len(items) >= limit:
-                break
-            if text.strip():
-                item = BENCHMARKS[name].to_item(json.loads(text), line)
-                if item is not None:
-                    items.append(item)
+    path = benchmark_path(name, data_dir)
+    for line, record in read_jsonl(path):
+        if limit is not None and len(items) >= limit:
+            break
+        try:
+            item = BENCHMARKS[name].to_item(record, line)
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
+            raise DamagedFileError(f"{path}:{line + 1}", f"not a {name} record ({type(e).__name__}: {e})",
+                                   DATA_FIX) from None
+        if item is not None:
+            items.append(item)
     return items
+

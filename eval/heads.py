@@ -4,17 +4,15 @@ target, or an untrained one when allowed), identified by the sha256 of its weigh
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
-import json
 import logging
-import os
 from typing import Any
 
 from jetspec_jax.generate import random_head
-from jetspec_jax.loading.head_checkpoint import (CONFIG_FILE, WEIGHTS_FILE, config_from_json, load_head,
-                                                 packaged_head_path)
+from jetspec_jax.loading.head_checkpoint import (check_head_target, file_sha256, load_head, no_head_message,
+                                                 packaged_head_path, read_head_record, verify_head_files)
 from jetspec_jax.models import draft_head
+from jetspec_jax.fingerprint import TargetIdentity
 from jetspec_jax.target import Target
 
 log = logging.getLogger(__name__)
@@ -40,43 +38,39 @@ class HeadSource:
     def load(self, target: Target, seed: int) -> tuple[draft_head.DraftConfig, Any]:
         if self.path is None:
             return random_head(target, ATTENTION_OF_ROLE[self.role], seed)
-        return load_head(self.path, target.params["embed"].dtype)
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return load_head(self.path, target.params["embed"].dtype, target=target)
 
 
 def head_from_dir(role: str, path: str) -> HeadSource:
-    """Reads the config (not the weights) and checks the head's attention suits the role."""
-    config_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
-        raise FileNotFoundError(f"no draft head at {path} for {role} (expected {CONFIG_FILE} and "
-                                f"{WEIGHTS_FILE})")
-    with open(config_path, encoding="utf-8") as f:
-        cfg = config_from_json(json.load(f))
+    """Checks the head's files (not loading the weights) and that the head's attention suits the role."""
+    record = verify_head_files(path)
+    cfg = record.cfg
     if isinstance(cfg.attention, str) and cfg.attention != ATTENTION_OF_ROLE[role]:
         raise ValueError(f"the {role} head at {path} has {cfg.attention} attention; that role needs a "
                          f"{ATTENTION_OF_ROLE[role]} head")
-    return HeadSource(role, path, file_sha256(weights_path), cfg.block_size)
+    return HeadSource(role, path, record.weights_sha256 or file_sha256(record.weights_path), cfg.block_size)
 
 
-def resolve_heads(methods, head_dirs: dict[str, str], target_source: str,
-                  allow_untrained: bool) -> dict[str, HeadSource]:
-    """role -> head for the roles `methods` need. Methods without a head are left out, with a warning."""
+def explicit_heads(head_dirs: dict[str, str]) -> dict[str, HeadSource]:
+    """The `--heads ROLE=DIR` heads, checked before the target loads."""
     unknown = sorted(set(head_dirs) - set(ATTENTION_OF_ROLE))
     if unknown:
         raise ValueError(f"unknown head role(s) {unknown}; use {' or '.join(ATTENTION_OF_ROLE)}")
-    heads = {role: head_from_dir(role, path) for role, path in head_dirs.items()}
+    return {role: head_from_dir(role, path) for role, path in head_dirs.items()}
+
+
+def resolve_heads(methods, head_dirs: dict[str, str], target: Target | TargetIdentity,
+                  allow_untrained: bool) -> dict[str, HeadSource]:
+    """role -> head for the roles `methods` need: the explicit ones, else those shipped for this target
+    (matched by its fingerprint). Methods without a head are left out, with a warning."""
+    heads = explicit_heads(head_dirs)
+    for head in heads.values():
+        check_head_target(read_head_record(head.path), target)
     for method in methods:
         role = ROLE_OF_METHOD.get(method)
         if role is None or role in heads:
             continue
-        packaged = packaged_head_path(target_source, method)
+        packaged = packaged_head_path(target, method)
         if packaged:
             heads[role] = head_from_dir(role, packaged)
         elif allow_untrained:
@@ -84,7 +78,7 @@ def resolve_heads(methods, head_dirs: dict[str, str], target_source: str,
             heads[role] = HeadSource(role, None, None, UNTRAINED_BLOCK_SIZE)
     for method in methods:
         if method in ROLE_OF_METHOD and ROLE_OF_METHOD[method] not in heads:
-            log.warning("skipping %s: no trained %s head for this target; give --heads %s=DIR, or "
-                        "--allow-untrained to run an untrained one (exact output, tau ~ 1)",
-                        method, ROLE_OF_METHOD[method], ROLE_OF_METHOD[method])
+            log.warning("skipping %s: %s; or give --heads %s=DIR, or --allow-untrained to run an untrained "
+                        "one (exact output, tau ~ 1)", method, no_head_message(target, method),
+                        ROLE_OF_METHOD[method])
     return heads

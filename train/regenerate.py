@@ -11,13 +11,14 @@ import os
 import random
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
+from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, pad_prompts, pad_token, plan_cache_len,
                                   stop_tokens, trim_generated)
 from jetspec_jax.sampling import SamplingConfig
@@ -61,6 +62,23 @@ TRAINING_SOURCES: dict[str, PromptSource] = {
 }
 
 
+DATA_FIX = "restore the file: one JSON object per line, as the data folder's README.md lists"
+
+
+def read_jsonl(path: str, fix: str = DATA_FIX) -> Iterator[tuple[int, Any]]:
+    """(0-based line index, record) of each non-blank line; a line that is not JSON is a
+    DamagedFileError naming the file and line."""
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DamagedFileError(f"{path}:{line + 1}", f"not valid JSON ({e})", fix) from None
+            yield line, record
+
+
 def load_training_prompts(data_dir: str | None, sources: dict[str, int | None], seed: int) -> list[dict]:
     """[{"source", "id", "prompt"}] from each source: shuffled by seed, then capped (None = all)."""
     data_dir = DEFAULT_DATA_DIR if data_dir is None else data_dir
@@ -77,10 +95,14 @@ def load_training_prompts(data_dir: str | None, sources: dict[str, int | None], 
             raise FileNotFoundError(f"training source {name!r} needs {path}, which does not exist; point "
                                     f"--data-dir (or data.data_dir in the config) at the folder holding "
                                     f"{spec.file}")
-        with open(path, encoding="utf-8") as f:
-            records = [(i, json.loads(line)) for i, line in enumerate(f) if line.strip()]
-        rows = [{"source": name, "id": spec.record_id(r, i), "prompt": spec.prompt(r)}
-                for i, r in records if spec.keep(r)]
+        rows = []
+        for i, r in read_jsonl(path):
+            try:
+                if spec.keep(r):
+                    rows.append({"source": name, "id": spec.record_id(r, i), "prompt": spec.prompt(r)})
+            except (KeyError, TypeError, AttributeError, IndexError) as e:
+                raise DamagedFileError(f"{path}:{i + 1}", f"not a {name} record ({type(e).__name__}: {e})",
+                                       DATA_FIX) from None
         random.Random(f"{name}:{seed}").shuffle(rows)  # per source, so adding a source changes no other
         prompts.extend(rows if cap is None else rows[:cap])
     return prompts
@@ -139,9 +161,12 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, *, max_new
         "prompts_sha256": prompts_fingerprint(prompts)}))
     manifest_path = os.path.join(out_dir, MANIFEST_FILE)
     if os.path.isfile(manifest_path):
-        with open(manifest_path, encoding="utf-8") as f:
-            previous = json.load(f)
-        if previous.get("settings") == settings:
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                previous = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            previous = {}  # a damaged manifest: the directory is regenerated below
+        if isinstance(previous, dict) and previous.get("settings") == settings:
             return previous
     os.makedirs(out_dir, exist_ok=True)
     remove_previous_output(out_dir)
@@ -207,10 +232,22 @@ def read_shards(out_dir: str) -> list[dict]:
         raise FileNotFoundError(f"{out_dir} has no {MANIFEST_FILE}: regeneration has not run there or did "
                                 f"not finish; run it first (python -m jetspec_jax.train --stage regenerate "
                                 f"--config ...)")
-    with open(manifest_path, encoding="utf-8") as f:
-        manifest = json.load(f)
+    fix = f"delete {out_dir} and regenerate (python -m jetspec_jax.train --stage regenerate --config ...)"
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        shards = [os.path.join(out_dir, shard) for shard in manifest["shards"]]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise DamagedFileError(manifest_path, f"not a regeneration manifest ({type(e).__name__}: {e})",
+                               fix) from None
     records = []
-    for shard in manifest["shards"]:
-        with open(os.path.join(out_dir, shard), encoding="utf-8") as f:
-            records.extend(json.loads(line) for line in f if line.strip())
+    for shard in shards:
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"{shard}, listed in {manifest_path}, is missing; {fix}")
+        for line, record in read_jsonl(shard, fix):
+            if not (isinstance(record, dict) and isinstance(record.get("prompt_ids"), list)
+                    and isinstance(record.get("completion_ids"), list)):
+                raise DamagedFileError(f"{shard}:{line + 1}", "not a regenerated record (it needs prompt_ids and "
+                                       "completion_ids lists)", fix)
+            records.append(record)
     return records

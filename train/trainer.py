@@ -212,6 +212,14 @@ def truncate_metrics(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def check_batch_size(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+    """The batch splits evenly over the data-parallel devices and processes (checked before the target loads)."""
+    data_parallel = mesh.shape[sharding.DATA_AXIS]
+    if cfg.optim.batch_size % data_parallel or cfg.optim.batch_size % jax.process_count():
+        raise ValueError(f"optim.batch_size={cfg.optim.batch_size} must be a multiple of the {data_parallel} "
+                         f"data-parallel devices and of {jax.process_count()} processes")
+
+
 def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
           stop_after: int | None = None, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains (resuming from the run directory's latest checkpoint) and exports the head.
@@ -219,12 +227,9 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     os.makedirs(run_dir, exist_ok=True)
     mesh = sharding.make_mesh(cfg.run.mesh_model) if mesh is None else mesh
+    check_batch_size(cfg, mesh)
     trainer = Trainer(cfg, target, mesh)
     global_batch = cfg.optim.batch_size
-    data_parallel = mesh.shape[sharding.DATA_AXIS]
-    if global_batch % data_parallel or global_batch % jax.process_count():
-        raise ValueError(f"optim.batch_size={global_batch} must be a multiple of the {data_parallel} "
-                         f"data-parallel devices and of {jax.process_count()} processes")
     usable = [r for r in records if len(r["prompt_ids"]) < cfg.data.seq_len - 1 and r["completion_ids"]]
     if not usable:
         raise ValueError(f"none of the {len(records)} records has a completion within data.seq_len="
@@ -297,6 +302,6 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
         params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), state["params"])
         save_head(cfg.run.export_head, trainer.head_cfg, params,
                   metadata={"config": json.dumps(cfg.to_dict()), "summary": json.dumps(summary),
-                            "target": os.path.basename(target.source)})
+                            "target": target.name}, target=target)
         summary["exported_head"] = cfg.run.export_head
     return summary

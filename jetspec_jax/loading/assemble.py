@@ -44,6 +44,9 @@ class CheckpointMismatch(ValueError):
     """Raised with every name/shape problem found in a checkpoint."""
 
 
+MAX_LISTED = 30  # problems spelled out in one error; a wrong layer count alone gives hundreds
+
+
 def assemble_params(specs: Any, tensors: Iterable[tuple[str, Callable[[], np.ndarray]]],
                     rules: list[Rule], dtype, source: str,
                     ignore: tuple[str, ...] = ()) -> Any:
@@ -75,7 +78,9 @@ def assemble_params(specs: Any, tensors: Iterable[tuple[str, Callable[[], np.nda
             missing = sorted(set(range(spec.shape[0])) - rows_filled[name])
             problems.append(f"missing rows {missing[:8]}{'...' if len(missing) > 8 else ''} of {name}")
     if problems:
-        raise CheckpointMismatch(f"{len(problems)} problem(s) loading {source}:\n  " + "\n  ".join(problems))
+        shown = problems[:MAX_LISTED] + ([f"... and {len(problems) - MAX_LISTED} more"]
+                                          if len(problems) > MAX_LISTED else [])
+        raise CheckpointMismatch(f"{len(problems)} problem(s) loading {source}:\n  " + "\n  ".join(shown))
     return unflatten_like(specs, {k: jnp.asarray(v) for k, v in arrays.items()})
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from jetspec_jax.errors import DamagedFileError, InputError
+from jetspec_jax.loading.gguf_file import damaged_gguf_fix, open_gguf
+
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that are special tokens
 
 
@@ -17,16 +20,30 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 def load_gguf_tokenizer(path: str):
-    import gguf
+    reader = open_gguf(path)
+    try:
+        kind = _field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise InputError(f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' "
+                             "is); use the model's Hugging Face directory instead")
+        return _build_tokenizer(reader)
+    except InputError:
+        raise
+    except Exception as e:
+        # tokenizers reports a bad vocabulary or merge list as a bare Exception; other types are bugs
+        if not isinstance(e, (ValueError, IndexError, KeyError, TypeError)) and type(e) is not Exception:
+            raise
+        raise DamagedFileError(path, f"corrupt tokenizer metadata ({type(e).__name__}: {e})",
+                               damaged_gguf_fix(path)) from None
+
+
+def _build_tokenizer(reader):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    reader = gguf.GGUFReader(path)
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is); "
-                         "use the model's Hugging Face directory instead")
     tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("tokenizer.ggml.tokens is missing or empty")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = _field(reader, "tokenizer.ggml.token_type", [])
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,

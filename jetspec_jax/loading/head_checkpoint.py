@@ -1,25 +1,50 @@
 """Trained draft heads as portable files: `draft_config.json` + `head.safetensors` in one directory.
-(Training checkpoints with optimizer state are orbax's business; this is the inference export.)"""
+(Training checkpoints with optimizer state are orbax's business; this is the inference export.)
+
+`draft_config.json` holds the head's shape (DraftConfig), the fingerprint and name of the target it was
+trained for, and the sha256 of the weights file, so a damaged file or a head paired with another model
+is refused with a message instead of decoding with wrong weights."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import typing
 from typing import Any
 
 import jax
 import numpy as np
 
-from jetspec_jax.loading.assemble import Rule, assemble_params
+from jetspec_jax.errors import DamagedFileError, InputError
+from jetspec_jax.loading.assemble import CheckpointMismatch, Rule, assemble_params
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import flatten_specs, path_to_str
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "head.safetensors"
+# Keys of draft_config.json beside DraftConfig's fields; heads exported before they existed lack them.
+RECORD_KEYS = ("target_fingerprint", "target_name", "weights_sha256")
+TRAIN_HINT = ("train one with: python -m jetspec_jax.train --config train/configs/smollm2-135m-jetspec.toml "
+              "run.target=YOUR_MODEL (see docs/training.md)")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRecord:
+    """What a head directory says about itself, read and checked without loading the weights."""
+    path: str
+    cfg: draft_head.DraftConfig
+    target_fingerprint: str | None
+    target_name: str | None
+    weights_sha256: str | None
+
+    @property
+    def weights_path(self) -> str:
+        return os.path.join(self.path, WEIGHTS_FILE)
 
 
 def config_to_json(cfg: draft_head.DraftConfig) -> dict[str, Any]:
@@ -30,20 +55,127 @@ def config_to_json(cfg: draft_head.DraftConfig) -> dict[str, Any]:
     return out
 
 
-def config_from_json(data: dict[str, Any]) -> draft_head.DraftConfig:
-    known = {f.name for f in dataclasses.fields(draft_head.DraftConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{CONFIG_FILE} has unknown keys {unknown}; known: {sorted(known)}")
-    data = dict(data)
-    data["tap_layers"] = tuple(data["tap_layers"])
-    if not isinstance(data.get("attention", "causal"), str):
-        data["attention"] = tuple(tuple(bool(x) for x in row) for row in data["attention"])
-    return draft_head.DraftConfig(**data)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def save_head(path: str, cfg: draft_head.DraftConfig, params: Any, metadata: dict[str, str] | None = None):
-    """Writes atomically: a temporary directory is renamed into place."""
+def _type_problem(name: str, annotation: Any, value: Any) -> str | None:
+    """Why `value` does not fit the DraftConfig field `name`, or None."""
+    if name == "tap_layers":
+        ok = isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value)
+        return None if ok else "a non-empty list of layer numbers (integers >= 0)"
+    if name == "attention":
+        mask_ok = (isinstance(value, list) and value
+                   and all(isinstance(r, list) and all(isinstance(x, bool) for x in r) for r in value))
+        return None if isinstance(value, str) or mask_ok else \
+            f"one of {draft_head.ATTENTION_PATTERNS} or a block x block list of true/false rows"
+    if name == "mask_token_id":
+        return None if value is None or (_is_int(value) and value >= 0) else "null or a token id >= 0"
+    if annotation is int:
+        return None if _is_int(value) and value > 0 else "a positive integer"
+    if annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        return None if ok else "a positive number"
+    return None
+
+
+def config_from_json(data: Any, source: str = CONFIG_FILE) -> draft_head.DraftConfig:
+    """DraftConfig from draft_config.json's content; every missing, unknown or ill-typed key is named."""
+    fix = "re-export the head (python -m jetspec_jax.train ... run.export_head=DIR) or restore the file"
+    if not isinstance(data, dict):
+        raise DamagedFileError(source, f"expected a JSON object, found {type(data).__name__}", fix)
+    hints = typing.get_type_hints(draft_head.DraftConfig)
+    fields = [f.name for f in dataclasses.fields(draft_head.DraftConfig)]
+    problems = [f"missing key {name!r}" for name in fields if name not in data]
+    problems += [f"unknown key {key!r}" for key in data if key not in fields and key not in RECORD_KEYS]
+    for name in fields:
+        if name in data and (want := _type_problem(name, hints[name], data[name])):
+            problems.append(f"{name!r} is {json.dumps(data[name])}, expected {want}")
+    for key in RECORD_KEYS:
+        if key in data and not isinstance(data[key], str):
+            problems.append(f"{key!r} is {json.dumps(data[key])}, expected a string")
+    if problems:
+        raise DamagedFileError(source, "; ".join(problems), fix)
+    values = {name: data[name] for name in fields}
+    values["tap_layers"] = tuple(values["tap_layers"])
+    if not isinstance(values["attention"], str):
+        values["attention"] = tuple(tuple(row) for row in values["attention"])
+    try:
+        return draft_head.DraftConfig(**values)
+    except ValueError as e:
+        raise DamagedFileError(source, str(e), fix) from None
+
+
+def read_head_record(path: str) -> HeadRecord:
+    config_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
+        raise FileNotFoundError(f"no draft head at {path} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DamagedFileError(config_path, f"not valid JSON ({e})",
+                               "restore the file or re-export the head") from None
+    cfg = config_from_json(data, config_path)
+    return HeadRecord(path, cfg, *(data.get(key) for key in RECORD_KEYS))
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_head_target(record: HeadRecord, target) -> None:
+    """Refuses a head trained for another model (`target`: a Target or a TargetIdentity); a head that
+    records no target is left to the shape checks of `load_head`."""
+    if record.target_fingerprint is not None and record.target_fingerprint != target.fingerprint:
+        raise InputError(
+            f"the draft head at {record.path} was trained for target {record.target_name!r} (fingerprint "
+            f"{record.target_fingerprint}), but the target is {target.name!r} (fingerprint "
+            f"{target.fingerprint}); use a head trained for this model, or {TRAIN_HINT}")
+
+
+WEIGHTS_FIX = "re-export the head, or reinstall jetspec-jax for a shipped head"
+
+
+def verify_head_files(path: str) -> HeadRecord:
+    """Checks the config and, where it records one, the weights' sha256, without loading anything."""
+    record = read_head_record(path)
+    if record.weights_sha256 is not None and file_sha256(record.weights_path) != record.weights_sha256:
+        raise DamagedFileError(record.weights_path, f"its sha256 differs from the one {CONFIG_FILE} records "
+                               "(truncated or corrupt)", WEIGHTS_FIX)
+    return record
+
+
+def load_head(path: str, dtype, target=None) -> tuple[draft_head.DraftConfig, Any]:
+    """Reads a head directory; with `target`, first checks that the head was trained for it."""
+    record = verify_head_files(path)
+    if target is not None:
+        check_head_target(record, target)
+        draft_head.check_pairing(record.cfg, target.cfg)
+    from safetensors import SafetensorError, safe_open
+
+    specs = draft_head.param_specs(record.cfg)
+    rules = [Rule(re.escape(name), name) for name in flatten_specs(specs)]
+    try:
+        with safe_open(record.weights_path, framework="numpy") as f:
+            tensors = [(key, (lambda key=key: f.get_tensor(key))) for key in f.keys()]
+            params = assemble_params(specs, tensors, rules, dtype, source=record.weights_path)
+    except CheckpointMismatch:
+        raise
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DamagedFileError(record.weights_path, f"not a readable safetensors file ({e})",
+                               WEIGHTS_FIX) from None
+    return record.cfg, params
+
+
+def save_head(path: str, cfg: draft_head.DraftConfig, params: Any, metadata: dict[str, str] | None = None,
+              target=None):
+    """Writes atomically (a temporary directory is renamed into place); with `target`, records which
+    model the head was trained for."""
     from safetensors.numpy import save_file
 
     parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -53,8 +185,12 @@ def save_head(path: str, cfg: draft_head.DraftConfig, params: Any, metadata: dic
         leaves, _ = jax.tree_util.tree_flatten_with_path(params)
         flat = {path_to_str(p): np.asarray(jax.device_get(v)) for p, v in leaves}
         save_file(flat, os.path.join(tmp, WEIGHTS_FILE), metadata=metadata or {})
+        record = config_to_json(cfg)
+        if target is not None:
+            record |= {"target_fingerprint": target.fingerprint, "target_name": target.name}
+        record["weights_sha256"] = file_sha256(os.path.join(tmp, WEIGHTS_FILE))
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump(config_to_json(cfg), f, indent=2)
+            json.dump(record, f, indent=2)
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -63,30 +199,25 @@ def save_head(path: str, cfg: draft_head.DraftConfig, params: Any, metadata: dic
         raise
 
 
-def load_head(path: str, dtype) -> tuple[draft_head.DraftConfig, Any]:
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"no draft head at {path} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
-    with open(config_path) as f:
-        cfg = config_from_json(json.load(f))
-    from safetensors import safe_open
-
-    specs = draft_head.param_specs(cfg)
-    rules = [Rule(re.escape(name), name) for name in flatten_specs(specs)]
-    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="numpy") as f:
-        tensors = [(key, (lambda key=key: f.get_tensor(key))) for key in f.keys()]
-        params = assemble_params(specs, tensors, rules, dtype, source=path)
-    return cfg, params
-
-
 PACKAGED_HEADS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "heads")
+PACKAGED_INDEX = os.path.join(PACKAGED_HEADS_DIR, "heads.json")
 
 
-def packaged_head_path(target_source: str, method: str) -> str | None:
-    """The head shipped in this package for a target file (by basename) and method, if any."""
-    index = os.path.join(PACKAGED_HEADS_DIR, "heads.json")
-    if not os.path.isfile(index):
-        return None
-    with open(index) as f:
-        entry = json.load(f).get(os.path.basename(os.path.normpath(target_source)), {})
-    return os.path.join(PACKAGED_HEADS_DIR, entry[method]) if method in entry else None
+def packaged_heads(target) -> dict[str, str]:
+    """method -> directory of the heads shipped in this package for `target`, matched by fingerprint."""
+    if not os.path.isfile(PACKAGED_INDEX):
+        return {}
+    with open(PACKAGED_INDEX, encoding="utf-8") as f:
+        entry = json.load(f).get(target.fingerprint, {})
+    return {method: os.path.join(PACKAGED_HEADS_DIR, name) for method, name in entry.items()
+            if method != "target"}
+
+
+def packaged_head_path(target, method: str) -> str | None:
+    """The head shipped for `target` (found by what the model is, not by its file name), if any."""
+    return packaged_heads(target).get(method)
+
+
+def no_head_message(target, method: str) -> str:
+    return (f"no trained {method} head exists for target {target.name!r} (fingerprint {target.fingerprint}); "
+            + TRAIN_HINT)

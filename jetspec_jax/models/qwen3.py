@@ -27,6 +27,65 @@ SUPPORTED_HF_ARCHITECTURES = {
 }
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# What a config value must be; the checks below collect every key that is not.
+VALUE_KINDS = {
+    "positive integer": lambda v: _is_int(v) and v > 0,
+    "non-negative integer": lambda v: _is_int(v) and v >= 0,
+    "positive number": lambda v: _is_number(v) and v > 0,
+    "boolean": lambda v: isinstance(v, bool),
+    "token id": lambda v: _is_int(v) and v >= 0,
+    "token id or list of token ids": lambda v: (_is_int(v) and v >= 0) or (
+        isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)),
+    "object": lambda v: isinstance(v, dict),
+    "list of layer indices": lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
+}
+# config.json keys read by from_hf_config: key -> kind; null counts as absent.
+HF_CONFIG_KEYS = {
+    "vocab_size": "positive integer", "hidden_size": "positive integer", "num_hidden_layers": "positive integer",
+    "num_attention_heads": "positive integer", "intermediate_size": "non-negative integer",
+    "num_key_value_heads": "positive integer", "head_dim": "positive integer",
+    "max_position_embeddings": "positive integer", "rms_norm_eps": "positive number", "rope_theta": "positive number",
+    "rope_parameters": "object", "rope_scaling": "object", "attention_bias": "boolean", "mlp_bias": "boolean",
+    "tie_word_embeddings": "boolean", "num_experts": "non-negative integer",
+    "num_local_experts": "non-negative integer", "num_experts_per_tok": "non-negative integer",
+    "moe_intermediate_size": "non-negative integer", "decoder_sparse_step": "non-negative integer",
+    "mlp_only_layers": "list of layer indices", "norm_topk_prob": "boolean",
+    "bos_token_id": "token id", "eos_token_id": "token id or list of token ids",
+}
+HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# GGUF metadata keys, after the "<architecture>." prefix.
+GGUF_KEYS = {
+    "embedding_length": "positive integer", "attention.head_count": "positive integer",
+    "block_count": "positive integer", "vocab_size": "positive integer",
+    "attention.head_count_kv": "positive integer", "attention.key_length": "positive integer",
+    "feed_forward_length": "non-negative integer", "attention.layer_norm_rms_epsilon": "positive number",
+    "rope.freq_base": "positive number", "context_length": "positive integer",
+    "expert_count": "non-negative integer", "expert_used_count": "non-negative integer",
+    "expert_feed_forward_length": "non-negative integer",
+}
+GGUF_REQUIRED = ("embedding_length", "attention.head_count", "block_count")
+
+
+def key_problems(values: Mapping[str, Any], kinds: Mapping[str, str], required: tuple[str, ...],
+                 prefix: str = "") -> list[str]:
+    """Every required key that is absent and every present key whose value is not of its kind."""
+    problems = [f"missing required key {prefix + key!r} ({kinds[key]})" for key in required
+                if values.get(prefix + key) is None]
+    for key, kind in kinds.items():
+        value = values.get(prefix + key)
+        if value is not None and not VALUE_KINDS[kind](value):
+            problems.append(f"{prefix + key} must be a {kind}, got {value!r}")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Static model description; hashable so it can be a jit static argument."""
@@ -62,8 +121,8 @@ class Config:
                             f"{sorted(set(SUPPORTED_HF_ARCHITECTURES.values()))}")
         if self.num_heads % max(self.num_kv_heads, 1):
             problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.head_dim < 2 or self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even and positive for RoPE")
         if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts):
             problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
                             f"{self.num_experts}")
@@ -86,6 +145,14 @@ class Config:
                 f"unsupported model_type {model_type!r} in config.json; supported: "
                 f"{sorted(SUPPORTED_HF_ARCHITECTURES)}")
         arch = SUPPORTED_HF_ARCHITECTURES[model_type]
+        # dense models need intermediate_size; a Qwen3-MoE model may have no dense layer
+        required = HF_REQUIRED + (() if arch == "qwen3_moe" else ("intermediate_size",))
+        problems = key_problems(hf, HF_CONFIG_KEYS, required)
+        theta = hf["rope_parameters"].get("rope_theta") if isinstance(hf.get("rope_parameters"), dict) else None
+        if theta is not None and not VALUE_KINDS["positive number"](theta):
+            problems.append(f"rope_parameters.rope_theta must be a positive number, got {theta!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported (no Qwen3-family checkpoint uses it)")
         num_heads = hf["num_attention_heads"]
@@ -145,6 +212,14 @@ class Config:
         def get(key, default=None):
             return meta.get(f"{gguf_arch}.{key}", default)
 
+        problems = key_problems(meta, GGUF_KEYS, GGUF_REQUIRED, prefix=f"{gguf_arch}.")
+        if get("vocab_size") is None and not meta.get("tokenizer.ggml.tokens"):
+            problems.append(f"missing required key '{gguf_arch}.vocab_size' (or tokenizer.ggml.tokens)")
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            if meta.get(key) is not None and not VALUE_KINDS["token id"](meta[key]):
+                problems.append(f"{key} must be a token id, got {meta[key]!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))
         num_layers = int(get("block_count"))

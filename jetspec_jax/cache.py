@@ -1,0 +1,289 @@
+"""On-disk caches that make a second start fast: JAX's compilation cache (`xla/`) and GGUF targets as
+loaded, dequantised weights and tokenizer (`weights/`), under one user folder. The command lines turn
+them on (`configure`); library calls leave them off unless a caller configures them."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import re
+import tempfile
+import warnings
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+
+CACHE_DIR_ENV = "JETSPEC_CACHE_DIR"
+# Bump when what a weights entry holds changes; the loader's source is hashed into the key as well.
+WEIGHTS_FORMAT = 1
+_MIB = 1 << 20
+
+_weights_dir: str | None = None  # set by configure(); None = load GGUF files from scratch
+
+
+class CacheWarning(UserWarning):
+    """A cache that cannot be used (unwritable folder, damaged entry): the run goes on without it."""
+
+
+def default_cache_dir() -> str:
+    """$JETSPEC_CACHE_DIR, else $XDG_CACHE_HOME/jetspec-jax, else ~/.cache/jetspec-jax."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return os.environ[CACHE_DIR_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jetspec-jax")
+
+
+def writable_dir(path: str, what: str) -> bool:
+    """Creates `path` and checks a file can be written there; warns and returns False if not."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+        return True
+    except OSError as e:
+        warnings.warn(f"{what} folder {path} is not writable ({e}); running without it", CacheWarning,
+                      stacklevel=3)
+        return False
+
+
+def enable_compilation_cache(cache_dir: str) -> str | None:
+    """Points JAX's persistent compilation cache at `cache_dir` and caches every program (jax 0.10 and
+    0.11 options). On GPU jax also keeps XLA's autotuning results there (its default
+    jax_persistent_cache_enable_xla_caches). Returns the folder, or None if it is not writable."""
+    if not writable_dir(cache_dir, "compilation cache"):
+        return None
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small GPU programs pay too
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size threshold
+    _reset_jax_cache()
+    return cache_dir
+
+
+def disable_compilation_cache() -> None:
+    jax.config.update("jax_compilation_cache_dir", None)
+    _reset_jax_cache()
+
+
+def _reset_jax_cache() -> None:
+    # jax decides once per process whether the cache is in use; reset so a new setting takes effect
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
+
+
+def configure(cache_dir: str | None = None, enabled: bool = True) -> str | None:
+    """Turns both caches on under `cache_dir` (default: default_cache_dir()), or off. Returns the folder
+    in use, or None when off or not writable (a CacheWarning says why). For the command lines and the
+    server; a library caller can call it too."""
+    global _weights_dir
+    if not enabled:
+        disable_compilation_cache()
+        _weights_dir = None
+        return None
+    root = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
+    if not writable_dir(root, "cache"):
+        disable_compilation_cache()
+        _weights_dir = None
+        return None
+    xla = enable_compilation_cache(os.path.join(root, "xla"))
+    weights = os.path.join(root, "weights")
+    _weights_dir = weights if writable_dir(weights, "weights cache") else None
+    return root if (xla or _weights_dir) else None
+
+
+def add_cache_flags(parser) -> None:
+    """--cache-dir and --no-cache, shared by the command lines; pass the result to configure()."""
+    parser.add_argument("--cache-dir", default=None,
+                        help=f"folder of the compilation and weights caches (default: ${CACHE_DIR_ENV}, else "
+                             "$XDG_CACHE_HOME/jetspec-jax, else ~/.cache/jetspec-jax)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="compile and load from scratch, and write no cache")
+
+
+def weights_cache_dir() -> str | None:
+    return _weights_dir
+
+
+# ---- GGUF targets as loaded ----
+
+def _loader_version() -> str:
+    """The format number and the loader's source: an edited loader never reads an older entry."""
+    from jetspec_jax.loading import assemble, gguf_file, gguf_tokenizer
+
+    h = hashlib.sha256(f"jetspec-weights-{WEIGHTS_FORMAT}".encode())
+    for module in (assemble, gguf_file, gguf_tokenizer):
+        with open(module.__file__, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def gguf_cache_key(path: str) -> str:
+    """The file's identity (size, mtime, sha256 of its first and last MiB) and the loader's version."""
+    stat = os.stat(path)
+    h = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{_loader_version()}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_MIB))
+        if stat.st_size > _MIB:
+            f.seek(max(stat.st_size - _MIB, _MIB))
+            h.update(f.read(_MIB))
+    return h.hexdigest()[:24]
+
+
+def _entry_prefix(folder: str, path: str) -> str:
+    """Entries of one file path: its name (readable) and a hash of where it is (two model.gguf differ)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(path).removesuffix(".gguf"))
+    where = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:8]
+    return os.path.join(folder, f"{name}-{where}")
+
+
+def _write_atomic(path: str, write) -> None:
+    """write(tmp_path) then rename: a reader never sees half an entry, and writers do not collide."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.basename(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _crc(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
+
+
+def _config_from_json(data: dict[str, Any]):
+    from jetspec_jax.models import qwen3
+
+    def tuples(x):
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
+    return qwen3.Config(**{k: tuples(v) for k, v in data.items()})
+
+
+def save_weights(entry: str, cfg, params) -> None:
+    from safetensors.numpy import save_file
+
+    from jetspec_jax.models.params import path_to_str
+
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+    flat = {path_to_str(p): np.asarray(v) for p, v in leaves}
+    meta = {"format": str(WEIGHTS_FORMAT), "config": json.dumps(dataclasses.asdict(cfg)),
+            "crc32": json.dumps({k: _crc(v) for k, v in flat.items()})}
+    _write_atomic(entry, lambda tmp: save_file(flat, tmp, metadata=meta))
+
+
+def read_weights(entry: str, dtype):
+    """(cfg, params) from an entry, every tensor checked against the config's specs and its crc32;
+    raises ValueError (or the reader's error) for a damaged entry."""
+    import jax.numpy as jnp
+    from safetensors import safe_open
+
+    from jetspec_jax.models import qwen3
+    from jetspec_jax.models.params import flatten_specs, unflatten_like
+
+    with safe_open(entry, framework="np") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != str(WEIGHTS_FORMAT):
+            raise ValueError(f"format {meta.get('format')!r}, expected {WEIGHTS_FORMAT}")
+        cfg = _config_from_json(json.loads(meta["config"]))
+        crcs = json.loads(meta["crc32"])
+        specs = qwen3.param_specs(cfg)
+        want = flatten_specs(specs)
+        if set(f.keys()) != set(want):
+            raise ValueError(f"tensor names differ from the config's ({len(f.keys())} vs {len(want)})")
+        flat = {}
+        for name, spec in want.items():
+            a = f.get_tensor(name)
+            if a.shape != tuple(spec.shape) or a.dtype != jnp.dtype(dtype) or _crc(a) != crcs[name]:
+                raise ValueError(f"tensor {name} is damaged (shape, dtype or checksum)")
+            flat[name] = jnp.asarray(a)
+    return cfg, unflatten_like(specs, flat)
+
+
+def save_tokenizer(entry: str, tokenizer) -> None:
+    """The built tokenizer as JSON; skipped when its settings are not plain JSON values."""
+    kwargs = {k: v for k, v in tokenizer.init_kwargs.items() if k not in ("backend", "tokenizer_object")}
+    if not all(v is None or isinstance(v, (str, int, float, bool)) for v in kwargs.values()):
+        return
+    payload = {"format": WEIGHTS_FORMAT, "backend": tokenizer.backend_tokenizer.to_str(), "kwargs": kwargs}
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+    _write_atomic(entry, write)
+
+
+def read_tokenizer(entry: str):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    with open(entry) as f:
+        payload = json.load(f)
+    if payload.get("format") != WEIGHTS_FORMAT:
+        raise ValueError(f"format {payload.get('format')!r}, expected {WEIGHTS_FORMAT}")
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(payload["backend"]), **payload["kwargs"])
+
+
+def _cached(entry: str, read, what: str):
+    """read(entry), or None when it is absent or damaged (warned: it is rebuilt)."""
+    if not os.path.exists(entry):
+        return None
+    try:
+        return read(entry)
+    except Exception as e:  # any failure to read an entry means: load from the file instead
+        warnings.warn(f"{what} cache entry {entry} is damaged ({type(e).__name__}: {e}); rebuilding it",
+                      CacheWarning, stacklevel=3)
+        return None
+
+
+def _store(entry: str, save, what: str, prefix: str, suffix: str) -> None:
+    """save(entry), then removes the entries this one replaces (same file path, older version)."""
+    try:
+        save(entry)
+    except OSError as e:
+        warnings.warn(f"could not write the {what} cache entry {entry} ({e}); the next start loads the file "
+                      "again", CacheWarning, stacklevel=3)
+        return
+    for old in glob.glob(f"{glob.escape(prefix)}-*-{suffix}"):
+        if old != entry:
+            try:
+                os.unlink(old)
+            except OSError:
+                pass
+
+
+def load_gguf_target(path: str, dtype, with_tokenizer: bool = True, folder: str | None = None):
+    """(cfg, params, tokenizer) of a GGUF file; through the weights cache in `folder` (default: the one
+    configure() set), the same arrays bit for bit as a fresh load_gguf, without reading the file."""
+    import jax.numpy as jnp
+
+    from jetspec_jax.loading.gguf_file import load_gguf
+    from jetspec_jax.loading.gguf_tokenizer import load_gguf_tokenizer
+
+    folder = folder or _weights_dir
+    if folder is None or not os.path.isfile(path):
+        cfg, params = load_gguf(path, dtype)
+        return cfg, params, load_gguf_tokenizer(path) if with_tokenizer else None
+    prefix, key = _entry_prefix(folder, path), gguf_cache_key(path)
+    weights_suffix, tokenizer_suffix = f"{jnp.dtype(dtype).name}.safetensors", "tokenizer.json"
+    weights_entry, tokenizer_entry = f"{prefix}-{key}-{weights_suffix}", f"{prefix}-{key}-{tokenizer_suffix}"
+    loaded = _cached(weights_entry, lambda e: read_weights(e, dtype), "weights")
+    if loaded is None:
+        loaded = load_gguf(path, dtype)
+        _store(weights_entry, lambda e: save_weights(e, *loaded), "weights", prefix, weights_suffix)
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = _cached(tokenizer_entry, read_tokenizer, "tokenizer")
+        if tokenizer is None:
+            tokenizer = load_gguf_tokenizer(path)
+            _store(tokenizer_entry, lambda e: save_tokenizer(e, tokenizer), "tokenizer", prefix, tokenizer_suffix)
+    return (*loaded, tokenizer)

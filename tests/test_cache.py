@@ -1,0 +1,136 @@
+"""The start-up caches: a second process takes its compiled programs from the compilation cache,
+the weights cache gives the fresh load's arrays bit for bit, and a bad cache never stops a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_tiny_gguf
+
+from jetspec_jax import cache, generate
+from jetspec_jax.cache import CacheWarning
+from jetspec_jax.target import load_target
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return make_tiny_gguf(str(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf"))
+
+
+def assert_same_target(a, b):
+    (cfg_a, params_a, tok_a), (cfg_b, params_b, tok_b) = a, b
+    assert cfg_a == cfg_b
+    assert jax.tree.structure(params_a) == jax.tree.structure(params_b)
+    for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    assert tok_a.backend_tokenizer.to_str() == tok_b.backend_tokenizer.to_str()
+    assert tok_a.special_tokens_map == tok_b.special_tokens_map
+    messages = [{"role": "user", "content": "What is 7 times 8? é 日本 <|im_end|>"}]
+    assert (tok_a.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            == tok_b.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+
+
+def entries(folder, suffix):
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(suffix))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_cache_is_bit_identical_and_rebuilds_damaged_entries(tiny_gguf, tmp_path, dtype, monkeypatch):
+    fresh = cache.load_gguf_target(tiny_gguf, dtype)  # no folder configured: straight from the file
+    assert_same_target(cache.load_gguf_target(tiny_gguf, dtype, folder=str(tmp_path)), fresh)
+    [weights] = entries(tmp_path, f"-{dtype}.safetensors")
+    [tokenizer] = entries(tmp_path, "-tokenizer.json")
+
+    def no_file_reads(*args, **kwargs):
+        raise AssertionError("read the GGUF file despite a cache entry")
+    with monkeypatch.context() as m:
+        m.setattr("jetspec_jax.loading.gguf_file.load_gguf", no_file_reads)
+        m.setattr("jetspec_jax.loading.gguf_tokenizer.load_gguf_tokenizer", no_file_reads)
+        assert_same_target(cache.load_gguf_target(tiny_gguf, dtype, folder=str(tmp_path)), fresh)
+
+    data = bytearray(open(weights, "rb").read())
+    data[-100] ^= 0x01  # one flipped bit in the last tensor
+    open(weights, "wb").write(bytes(data))
+    open(tokenizer, "w").write("{")  # half a file
+    with pytest.warns(CacheWarning, match="damaged") as caught:
+        assert_same_target(cache.load_gguf_target(tiny_gguf, dtype, folder=str(tmp_path)), fresh)
+    assert sum(issubclass(w.category, CacheWarning) for w in caught) == 2
+    with open(weights, "rb") as f:
+        assert f.read() != bytes(data)  # rewritten
+    assert_same_target(cache.load_gguf_target(tiny_gguf, dtype, folder=str(tmp_path)), fresh)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_a_changed_file_replaces_its_entries(tiny_gguf, tmp_path):
+    mtime = os.stat(tiny_gguf).st_mtime_ns
+    cache.load_gguf_target(tiny_gguf, "float32", folder=str(tmp_path))
+    before = set(os.listdir(tmp_path))
+    os.utime(tiny_gguf, ns=(mtime, mtime + 1))  # a new version of the file, as far as the key knows
+    try:
+        cache.load_gguf_target(tiny_gguf, "float32", folder=str(tmp_path))
+    finally:
+        os.utime(tiny_gguf, ns=(mtime, mtime))
+    after = set(os.listdir(tmp_path))
+    assert len(before) == len(after) == 2 and not before & after  # weights + tokenizer, old ones removed
+
+
+def test_cache_folder_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv(cache.CACHE_DIR_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.default_cache_dir() == str(tmp_path / "xdg" / "jetspec-jax")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache.default_cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "jetspec-jax")
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert cache.default_cache_dir() == str(tmp_path / "mine")
+
+
+def test_an_unwritable_cache_folder_warns_and_the_run_goes_on(tiny_gguf, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.warns(CacheWarning, match="not writable"):
+        assert cache.configure(str(tmp_path / "a-file" / "cache")) is None  # under a file: never creatable
+    assert cache.weights_cache_dir() is None and jax.config.jax_compilation_cache_dir is None
+    assert load_target(tiny_gguf).cfg.num_layers == 2
+
+
+def test_cli_no_cache_writes_nothing(tiny_gguf, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(generate, "_COMPILED", {})
+    jax.clear_caches()  # so that this run compiles, as a new process would
+    assert generate.main(["hi", "--model", tiny_gguf, "--method", "ar", "--max-new-tokens", "2", "--no-cache"]) == 0
+    assert "load " in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+# Runs the CLI in a fresh process and prints the compilation cache's hit and miss events.
+CLI_WITH_CACHE_EVENTS = """
+import collections, json, sys
+import jax
+from jetspec_jax.generate import main
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda name, **kw: events.update([name.rsplit("/", 1)[-1]]))
+status = main(sys.argv[1:])
+print(json.dumps({"status": status, "hits": events["cache_hits"], "misses": events["cache_misses"]}))
+"""
+
+
+def test_a_second_process_takes_its_programs_from_the_compilation_cache(tiny_gguf, tmp_path):
+    argv = ["hi", "--model", tiny_gguf, "--method", "ar", "--max-new-tokens", "2", "--cache-dir", str(tmp_path)]
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", CLI_WITH_CACHE_EVENTS, *argv], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    first = run()
+    assert first["status"] == 0 and first["misses"] > 0 and first["hits"] == 0
+    written = entries(tmp_path / "xla", "-cache")
+    assert len(written) == first["misses"] and entries(tmp_path / "weights", "-float32.safetensors")
+    second = run()
+    assert second == {"status": 0, "hits": first["misses"], "misses": 0}  # every program, none compiled
+    assert entries(tmp_path / "xla", "-cache") == written

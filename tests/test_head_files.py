@@ -1,0 +1,240 @@
+"""Heads are matched to their target by the model's fingerprint, not its file name, and damaged or
+malformed head files are refused with one `error:` line (exit 2) before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import pytest
+from conftest import make_tiny_checkpoint
+
+from jetspec_jax import generate as generate_cli
+from jetspec_jax.eval import runner
+from jetspec_jax.eval.__main__ import main as eval_main
+from jetspec_jax.eval.heads import resolve_heads
+from jetspec_jax.loading.head_checkpoint import (CONFIG_FILE, WEIGHTS_FILE, load_head, packaged_head_path,
+                                                 save_head)
+from jetspec_jax.target import load_target
+from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
+
+FAST = ["--max-new-tokens", "4", "--budget", "8"]
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    code = generate_cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_error_line(err: str, *fragments: str):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(scope="module")
+def renamed_target(embedded_target, tmp_path_factory):
+    """The embedded GGUF copied under another name, loaded for real from the copy."""
+    path = str(tmp_path_factory.mktemp("renamed") / "my-model.gguf")
+    shutil.copyfile(embedded_target.source, path)
+    return load_target(path, dtype="float32")
+
+
+@pytest.fixture()
+def shipped_head_copy(embedded_target, tmp_path):
+    path = str(tmp_path / "head")
+    shutil.copytree(packaged_head_path(embedded_target, "jetspec"), path)
+    return path
+
+
+def edit_config(head_dir: str, edit) -> None:
+    config_path = os.path.join(head_dir, CONFIG_FILE)
+    with open(config_path) as f:
+        data = json.load(f)
+    edit(data)
+    with open(config_path, "w") as f:
+        json.dump(data, f)
+
+
+def test_fingerprint_ignores_file_name_and_dtype(embedded_target, renamed_target):
+    assert renamed_target.name == "my-model.gguf" and renamed_target.fingerprint == embedded_target.fingerprint
+    bf16 = dataclasses.replace(embedded_target, params={**embedded_target.params})
+    bf16.params["final_norm"] = bf16.params["final_norm"].astype(jnp.bfloat16)
+    bf16.params["layers"] = [{k: v.astype(jnp.bfloat16) for k, v in layer.items()}
+                             for layer in embedded_target.params["layers"]]
+    assert bf16.fingerprint == embedded_target.fingerprint  # GPU runs load bf16 weights
+
+
+def test_fingerprint_tells_models_apart(tmp_path):
+    make_tiny_checkpoint("qwen3", str(tmp_path / "a"), seed=0)
+    shutil.copytree(tmp_path / "a", tmp_path / "a-copy")
+    make_tiny_checkpoint("qwen3", str(tmp_path / "b"), seed=1)
+    a, a_copy, b = (load_target(str(tmp_path / n), dtype="float32", with_tokenizer=False)
+                    for n in ("a", "a-copy", "b"))
+    assert a.fingerprint == a_copy.fingerprint != b.fingerprint
+    fine_tuned = dataclasses.replace(a, params={**a.params, "final_norm": a.params["final_norm"] * 1.01})
+    assert fine_tuned.fingerprint != a.fingerprint
+
+
+def test_hugging_face_export_of_the_gguf_has_its_fingerprint(embedded_target, tmp_path):
+    """transformers' own GGUF import, saved as an HF directory, is the same model to a head."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(embedded_target.source),
+                                                 gguf_file=os.path.basename(embedded_target.source))
+    model.hf_quantizer = None  # the weights are dequantised already: save them as a plain checkpoint
+    model.config.__dict__.pop("quantization_config", None)
+    model.save_pretrained(str(tmp_path / "hf"))
+    del model
+    exported = load_target(str(tmp_path / "hf"), dtype="float32", with_tokenizer=False)
+    assert exported.fingerprint == embedded_target.fingerprint
+    assert packaged_head_path(exported, "jetspec") is not None
+
+
+def test_renamed_model_keeps_its_shipped_heads_in_the_cli(renamed_target, capsys, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(generate_cli, "load_target", lambda path, **kw: loaded.append(path) or renamed_target)
+    code, _, err = run_cli(["What is 2 plus 2?", "--model", renamed_target.source] + FAST, capsys)
+    assert code == 0 and loaded == [renamed_target.source]
+    assert "jetspec, tau" in err and "untrained" not in err and "note:" not in err
+
+
+@pytest.mark.skipif(not os.path.isdir(DEFAULT_DATA_DIR), reason=f"no data at {DEFAULT_DATA_DIR}")
+def test_renamed_model_keeps_its_shipped_heads_in_the_eval(renamed_target, tmp_path, monkeypatch, caplog):
+    heads = resolve_heads(("ar", "jetspec", "ddtree", "dflash"), {}, renamed_target, allow_untrained=False)
+    assert set(heads) == {"jetspec", "bidirectional"} and all(h.path for h in heads.values())
+    monkeypatch.setattr(runner, "load_target", lambda *args, **kwargs: renamed_target)
+    results = tmp_path / "results.jsonl"
+    assert eval_main(["run", "--benchmarks", "gsm8k", "--methods", "ar", "jetspec", "--budgets", "8", "--limit",
+                      "1", "--max-new-tokens", "4", "--no-progress", "--model", renamed_target.source,
+                      "--results", str(results)]) == 0
+    methods = [json.loads(line)["method"] for line in results.read_text().splitlines()]
+    assert methods == ["ar", "jetspec"] and "skipping" not in caplog.text
+
+
+def test_head_of_another_target_is_refused(embedded_target, shipped_head_copy, capsys, monkeypatch, tmp_path):
+    edit_config(shipped_head_copy, lambda d: d.update(target_fingerprint="0123456789abcdef",
+                                                      target_name="other-model.gguf"))
+    monkeypatch.setattr(generate_cli, "load_target", lambda path, **kw: embedded_target)
+    code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, "other-model.gguf", "0123456789abcdef", embedded_target.name,
+                          embedded_target.fingerprint, "python -m jetspec_jax.train")
+    with pytest.raises(ValueError, match="was trained for target 'other-model.gguf'"):
+        resolve_heads(("ar", "jetspec"), {"jetspec": shipped_head_copy}, embedded_target, allow_untrained=False)
+
+
+def test_saved_head_records_its_target(tiny_qwen3, tmp_path):
+    target, _ = tiny_qwen3
+    cfg, params = generate_cli.random_head(target, "causal")
+    save_head(str(tmp_path / "head"), cfg, params, target=target)
+    record = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())
+    assert record["target_fingerprint"] == target.fingerprint and record["target_name"] == target.name
+    load_head(str(tmp_path / "head"), jnp.float32, target=target)
+    other = dataclasses.replace(target, params={**target.params, "final_norm": target.params["final_norm"] + 1})
+    with pytest.raises(ValueError, match="was trained for target"):
+        load_head(str(tmp_path / "head"), jnp.float32, target=other)
+
+
+def test_unknown_target_says_no_head_exists_and_how_to_train(tiny_qwen3, capsys):
+    target, _ = tiny_qwen3
+    args = generate_cli.build_parser().parse_args(["hi"])
+    method, head = generate_cli.resolve_method_and_head(args, target)
+    err = capsys.readouterr().err
+    assert method == "ar" and head is None
+    assert "no trained jetspec head exists" in err and target.fingerprint in err
+    assert "python -m jetspec_jax.train" in err
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.5, 0.999])
+def test_truncated_head_weights(shipped_head_copy, capsys, fraction):
+    weights = os.path.join(shipped_head_copy, WEIGHTS_FILE)
+    size = os.path.getsize(weights)
+    with open(weights, "r+b") as f:
+        f.truncate(int(size * fraction))
+    code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, weights, "truncated or corrupt")
+
+
+@pytest.mark.parametrize("offset", [3, 100, 1 << 20, -1])
+def test_flipped_byte_in_head_weights(shipped_head_copy, capsys, offset):
+    weights = os.path.join(shipped_head_copy, WEIGHTS_FILE)
+    with open(weights, "r+b") as f:
+        f.seek(offset if offset >= 0 else os.path.getsize(weights) + offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, weights, "sha256")
+
+
+def test_unreadable_weights_without_a_recorded_sha(embedded_target, shipped_head_copy, capsys, monkeypatch):
+    """Heads exported before the sha was recorded: safetensors' own error, named and on one line."""
+    edit_config(shipped_head_copy, lambda d: d.pop("weights_sha256"))
+    weights = os.path.join(shipped_head_copy, WEIGHTS_FILE)
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    monkeypatch.setattr(generate_cli, "load_target", lambda path, **kw: embedded_target)
+    code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, weights, "not a readable safetensors file")
+
+
+def head_config_keys() -> list[str]:
+    from jetspec_jax.loading.head_checkpoint import PACKAGED_HEADS_DIR
+
+    with open(os.path.join(PACKAGED_HEADS_DIR, "smollm2-135m-jetspec", CONFIG_FILE)) as f:
+        return list(json.load(f))
+
+
+# A wrong type for each key: strings for numbers, numbers for strings and lists, and so on.
+MISTYPED = {"tap_layers": "1,8", "attention": 3, "mask_token_id": "mask", "rms_norm_eps": "small",
+            "rope_theta": [1], "target_fingerprint": 7, "target_name": None, "weights_sha256": 0}
+
+
+@pytest.mark.parametrize("key", head_config_keys())
+def test_head_config_key_dropped_or_mistyped(shipped_head_copy, capsys, key):
+    config_path = os.path.join(shipped_head_copy, CONFIG_FILE)
+    optional = key in ("target_fingerprint", "target_name", "weights_sha256")
+    if not optional:
+        edit_config(shipped_head_copy, lambda d: d.pop(key))
+        code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+        assert code == 2
+        assert_one_error_line(err, config_path, f"missing key {key!r}")
+    edit_config(shipped_head_copy, lambda d: d.update({key: MISTYPED.get(key, "12")}))
+    code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, config_path, repr(key))
+
+
+def test_head_config_unknown_key_and_bad_json(shipped_head_copy, capsys):
+    config_path = os.path.join(shipped_head_copy, CONFIG_FILE)
+    edit_config(shipped_head_copy, lambda d: d.update(num_layerz=2))
+    code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, config_path, "unknown key 'num_layerz'")
+    with open(config_path) as f:
+        text = f.read()
+    with open(config_path, "w") as f:
+        f.write(text[: len(text) // 2])
+    code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, config_path, "not valid JSON")
+
+
+def test_identity_read_from_files_equals_the_loaded_targets(embedded_target, renamed_target, tiny_checkpoint):
+    """The eval finds heads without loading the model: the fingerprint from config + norm tensors alone."""
+    from jetspec_jax.target import target_identity
+
+    assert target_identity(embedded_target.source) == embedded_target.identity
+    assert target_identity(renamed_target.source) == renamed_target.identity
+    _, path, _ = tiny_checkpoint  # Qwen3, Qwen3-MoE and Llama layouts
+    assert target_identity(path) == load_target(path, dtype="float32", with_tokenizer=False).identity
