@@ -22,8 +22,8 @@ shapes (by `gpu_busy_us`), and each shape is then timed with its class's best.
 Bytes: q, the L+N rows of K and V, and the output; FLOPs: 4 * N * (L+N) * H * D. Ceilings: 4.3 TB/s
 copy bandwidth and 790 TFLOP/s bf16 measured on this H200.
 
-"tokamax_mosaic" and "tokamax_triton" are tokamax's dot_product_attention (0.0.17, where its wheels
-were carried) with the same dense mask as the XLA path; an implementation that rejects the mask or
+"tokamax_mosaic" and "tokamax_triton" are tokamax's dot_product_attention (0.0.17, where tokamax is
+installed) with the same dense mask as the XLA path; an implementation that rejects the mask or
 shape is reported with its error.
 
 "mosaic_fa3_nomask" is jax.experimental.pallas.ops.gpu.attention_mgpu (Hopper, warp-specialised,
@@ -90,8 +90,8 @@ def mosaic_fa3():
 
 
 def tokamax_attention(implementation: str):
-    """tokamax's dot_product_attention with a dense (B, N, S) mask, or None where its wheel is not
-    installed (not a dependency: the device scripts' install_carried_tokamax installs the carried wheels)."""
+    """tokamax's dot_product_attention with a dense (B, N, S) mask, or None where tokamax is not
+    installed (it is not a dependency; the recorded rows ran tokamax 0.0.17, which needs jax >= 0.11.1)."""
     try:
         import tokamax
         from absl import flags

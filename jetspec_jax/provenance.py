@@ -37,8 +37,8 @@ def environment() -> dict[str, Any]:
 
 
 def git_head() -> str | None:
-    """HEAD of the checkout holding this package. A copy sent to another machine may carry stale
-    git metadata (seen on the device machine), so a caller there passes JETSPEC_COMMIT instead."""
+    """HEAD of the checkout holding this package. A copy of the tree without its own git metadata
+    (or with stale metadata) names its commit with JETSPEC_COMMIT instead."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()

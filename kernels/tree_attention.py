@@ -16,7 +16,7 @@ with `merge_in_kernel` the last program's of each row block).
 
 Checked with jax 0.10.2 on the CPU (interpret=True against the reference, and the Triton module
 lowered for CUDA passes MLIR's verifier) and with jax 0.11.2 on an H200 (Triton lowering; on the GPU's
-own clock faster than XLA's dense-mask attention and cuDNN at all 36 benchmarked shapes:
+own clock faster than XLA's dense-mask attention at all 36 benchmarked shapes and than cuDNN at 35:
 benchmarks/results/tree_attention_h200_gpu_clock_*.json).
 
 Triton or Mosaic GPU, by measurement on the H200 (tree_attention_h200_mosaic_*.json): the Mosaic
@@ -90,9 +90,10 @@ class TreeAttentionTuning:
     min_blocks_per_split: int = 4  # 1 and 2 swept: shorter kernels, but the larger merge costs more
     tree_in_last_split: bool = False  # the last prefix split's programs also take the tree nodes: one
     # partial result fewer to write and merge, no programs for the tree alone. Best at the 8B tree
-    # shape, 3% slower at the embedded model's B=256 verify (sweep of a4cca3c): off
+    # shape, 3% slower at the embedded model's B=256 verify (tree_attention_h200_rows32_sweep.json): off
     low_precision_partials: bool = True  # partial outputs in the inputs' dtype (bf16: half the merge's
-    # traffic, one more rounding of each partial): best of the H200 sweep for both call classes (615fcac)
+    # traffic, one more rounding of each partial): best of the H200 sweep for both call classes
+    # (tree_attention_h200_rows32_sweep.json)
     tree_block_k: int = 32  # tree nodes per inner step: 32 (one mask word) or 64 (two: half the steps,
     # each a full 64-key dot like the prefix's). H200 (tree_attention_h200_targets_tree64_bylength.json):
     # 15% slower at the 8B tree shape; with split_by_length 8-9% faster at the embedded verify: off
