@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,3 +52,54 @@ def select_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, filtered_logits(logits, cfg), axis=-1).astype(jnp.int32)
+
+
+class RowSampling(NamedTuple):
+    """Per-sequence sampling settings as arrays (B,), for batches whose rows sample differently (the
+    server's slots); a row with temperature 0 is greedy."""
+    temperature: jax.Array  # (B,) float32
+    top_k: jax.Array  # (B,) int32, 0 disables
+    top_p: jax.Array  # (B,) float32, 1 disables
+
+    @staticmethod
+    def of(configs: list[SamplingConfig]) -> "RowSampling":
+        return RowSampling(jnp.asarray([c.temperature for c in configs], jnp.float32),
+                           jnp.asarray([c.top_k for c in configs], jnp.int32),
+                           jnp.asarray([c.top_p for c in configs], jnp.float32))
+
+
+def filtered_logits_rows(logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """`filtered_logits` with each row's own settings: logits (B, ..., V); rows (B,)."""
+    expand = (slice(None),) + (None,) * (logits.ndim - 1)
+    temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[expand]
+    top_k, top_p = rows.top_k[expand], rows.top_p[expand]
+    logits = logits.astype(jnp.float32) / temperature
+
+    def filter_sorted(logits):
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        kth = jnp.take_along_axis(sorted_logits, jnp.clip(top_k - 1, 0, logits.shape[-1] - 1), axis=-1)
+        kth = jnp.where(top_k > 0, kth, -jnp.inf)
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        sorted_logits = jnp.where(sorted_logits < kth, -jnp.inf, sorted_logits)  # = sorting the filtered
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)
+        return jnp.where((top_p < 1.0) & (logits < cutoff), -jnp.inf, logits)
+
+    # the sort over the vocabulary only runs when some row filters
+    return lax.cond(jnp.any(rows.top_k > 0) | jnp.any(rows.top_p < 1.0), filter_sorted, lambda x: x, logits)
+
+
+def select_tokens_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling) -> jax.Array:
+    """logits (B, ..., V), one key per row (B,) -> tokens (B, ...): argmax where a row's temperature is
+    0, else independent samples from its filtered distribution."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample(logits):
+        filtered = filtered_logits_rows(logits, rows)
+        sampled = jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(keys, filtered)
+        expand = (slice(None),) + (None,) * (greedy.ndim - 1)
+        return jnp.where((rows.temperature > 0)[expand], sampled.astype(jnp.int32), greedy)
+
+    return lax.cond(jnp.any(rows.temperature > 0), sample, lambda _: greedy, logits)

@@ -154,12 +154,53 @@ def jitted_generate(gemm_backend: str):
     return _JITTED[gemm_backend]
 
 
+class StepOutput(NamedTuple):
+    tokens: jax.Array  # (B, D+1) accepted drafts then the bonus; pad for sequences that were not live
+    num_committed: jax.Array  # (B,) tokens of `tokens` that count (0 where not live), cut at EOS and limit
+    hit_eos: jax.Array  # (B,) a committed token is a stop token
+    accept_len: jax.Array  # (B,) drafts accepted
+    anchor: jax.Array
+    cache: KVCache
+    state: Any
+
+
+def speculative_step(params: Any, drafter_params: Any, anchor: jax.Array, cache: KVCache, state: Any,
+                     live: jax.Array, remaining: jax.Array, choose, *, cfg: qwen3.Config, drafter,
+                     spec: SpecConfig, depth: int, eos_token_ids: tuple[int, ...], pad_token_id: int) -> StepOutput:
+    """One step for every sequence: draft a tree, verify it, accept, commit. `params` are fused for
+    decode; `choose(logits (B, N, V)) -> (B, N)` gives the target's token at every node (argmax or a
+    sample); `remaining` (B,) caps the committed tokens; sequences that are not `live` commit nothing."""
+    taps_wanted = tuple(drafter.tap_layers)
+    draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
+    cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft / spec.tree_temperature, axis=-1),
+                                             spec.tree_width)
+    tree = build_trees(anchor, cand_tokens, cand_logps, budget=spec.budget, implementation=spec.tree_impl)
+    logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted, spec.attention_impl)
+    result = accept(tree, choose(logits), depth)
+
+    # commit accepted drafts + bonus, cut at EOS and at the sequence's limit
+    slot = jnp.arange(depth + 1, dtype=jnp.int32)[None]
+    n_commit = result.accept_len + 1
+    stop = is_stop_token(result.tokens, eos_token_ids) & (slot < n_commit[:, None])
+    hit_eos = jnp.any(stop, axis=-1)
+    n_commit = jnp.where(hit_eos, jnp.argmax(stop, axis=-1) + 1, n_commit)
+    n_commit = jnp.where(live, jnp.minimum(n_commit, remaining), 0)
+
+    keep = jnp.where(live, result.accept_len + 1, 0)  # root + accepted nodes enter the cache
+    cache = compact_cache(cache, result.path, keep, spec.compact_impl)
+    if taps_wanted:
+        path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
+        state = drafter.observe(drafter_params, state, path_taps, keep)
+    return StepOutput(tokens=jnp.where(live[:, None], result.tokens, pad_token_id), num_committed=n_commit,
+                      hit_eos=hit_eos & live, accept_len=result.accept_len,
+                      anchor=jnp.where(live, result.bonus, anchor), cache=cache, state=state)
+
+
 def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array,
               key: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
               gen: GenerationConfig, cache_len: int) -> SpecOutput:
     b = prompt_tokens.shape[0]
     depth = spec.depth(drafter.max_depth)
-    budget, width = spec.budget, spec.tree_width
     taps_wanted = tuple(drafter.tap_layers)
     params = qwen3.fuse_for_decode(params)
     dtype = params["embed"].dtype
@@ -181,35 +222,19 @@ def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt
 
     def body(carry):
         anchor, cache, state, out, num, done, forwards, counts, key = carry
-        draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
-        cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft / spec.tree_temperature, axis=-1), width)
-        tree = build_trees(anchor, cand_tokens, cand_logps, budget=budget, implementation=spec.tree_impl)
-        logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted, spec.attention_impl)
         key, sub = jax.random.split(key)
-        result = accept(tree, target_choices(logits, sub, gen.sampling), depth)
-
-        # commit accepted drafts + bonus, cut at EOS and at max_new_tokens
-        slot = jnp.arange(depth + 1, dtype=jnp.int32)[None]
-        n_commit = result.accept_len + 1
-        stop = is_stop_token(result.tokens, gen.eos_token_ids) & (slot < n_commit[:, None])
-        hit_eos = jnp.any(stop, axis=-1)
-        n_commit = jnp.where(hit_eos, jnp.argmax(stop, axis=-1) + 1, n_commit)
-        n_commit = jnp.minimum(n_commit, gen.max_new_tokens - num)
         live = ~done
-        n_commit = jnp.where(live, n_commit, 0)
-        out = write_block(out, jnp.where(live[:, None], result.tokens, gen.pad_token_id), num)
-        num = num + n_commit
-        done = done | hit_eos | (num >= gen.max_new_tokens)
-
-        keep = jnp.where(live, result.accept_len + 1, 0)  # root + accepted nodes enter the cache
-        cache = compact_cache(cache, result.path, keep, spec.compact_impl)
-        if taps_wanted:
-            path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
-            state = drafter.observe(drafter_params, state, path_taps, keep)
-        anchor = jnp.where(live, result.bonus, anchor)
+        step = speculative_step(params, drafter_params, anchor, cache, state, live, gen.max_new_tokens - num,
+                                lambda logits: target_choices(logits, sub, gen.sampling), cfg=cfg,
+                                drafter=drafter, spec=spec, depth=depth, eos_token_ids=gen.eos_token_ids,
+                                pad_token_id=gen.pad_token_id)
+        out = write_block(out, step.tokens, num)
+        num = num + step.num_committed
+        done = done | step.hit_eos | (num >= gen.max_new_tokens)
         forwards = forwards + live.astype(jnp.int32)
-        counts = counts + (live[:, None] & (slot == result.accept_len[:, None])).astype(jnp.int32)
-        return anchor, cache, state, out, num, done, forwards, counts, key
+        slot = jnp.arange(depth + 1, dtype=jnp.int32)[None]
+        counts = counts + (live[:, None] & (slot == step.accept_len[:, None])).astype(jnp.int32)
+        return step.anchor, step.cache, step.state, out, num, done, forwards, counts, key
 
     _, _, _, out, num, _, forwards, counts, _ = lax.while_loop(cond, body, carry)
     positions = jnp.arange(gen.max_new_tokens)[None]

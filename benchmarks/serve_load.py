@@ -1,0 +1,172 @@
+"""Load generator for the OpenAI-compatible server: throughput, time to first token and per-request
+tokens/s at each concurrency, for AR, fixed budgets and the adaptive budget, in one run.
+
+    python benchmarks/serve_load.py --concurrency 1 4 8 16 32 --variants ar 16 32 64 128 auto \\
+        --out benchmarks/results/serve_load_h200.json
+
+Each variant is a server on 127.0.0.1 (the real app and engine, in this process, over HTTP) with the
+same slots; each concurrency level keeps that many streamed chat requests in flight (closed loop) over
+MATH-500 and MT-Bench prompts taken in turn, at T=0. A short round at the same concurrency first
+compiles the programs that level uses; then --requests-per-level x concurrency requests are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, print_table, write_json_atomic  # noqa: E402
+
+from jetspec_jax import cache  # noqa: E402
+from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
+from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
+from jetspec_jax.target import load_target  # noqa: E402
+from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn in a thread around a fresh engine."""
+
+    def __init__(self, target, head, variant: str, args):
+        import uvicorn
+
+        from jetspec_jax.serve.engine import Engine
+        from jetspec_jax.serve.http_server import create_app
+
+        method = "ar" if variant == "ar" else args.method
+        budget = "auto" if variant == "auto" else (int(variant) if variant != "ar" else 16)
+        self.engine = Engine(target, None if method == "ar" else head, method=method, slots=args.slots,
+                             max_len=args.max_len, budget=budget, width=args.width, chunk_steps=args.chunk_steps,
+                             max_queue=4 * args.slots, cost_table=args.cost_table).start()
+        self.port = free_port()
+        app = create_app(self.engine, target.tokenizer, "target")
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.engine.shutdown(drain=False, timeout=10)
+
+
+async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
+    body = dict(model="target", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True})
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    decode = total - (first or 0.0)
+    return dict(ttft=first if first is not None else total, seconds=total, tokens=tokens,
+                tokens_per_second=(tokens - 1) / decode if tokens > 1 and decode > 0 else 0.0)
+
+
+async def closed_loop(url: str, prompts, concurrency: int, requests: int, max_tokens: int) -> tuple[list, float]:
+    import httpx
+
+    source = itertools.cycle(prompts)
+    queue = [next(source) for _ in range(requests)]
+    results = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def worker():
+            while queue:
+                prompt = queue.pop()
+                results.append(await one_request(client, url, prompt, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - t0
+
+
+def summarise(variant, concurrency, results, wall, metrics) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    return dict(variant=variant, concurrency=concurrency, requests=len(results), completion_tokens=tokens,
+                throughput=tokens / wall, ttft_median_s=statistics.median(r["ttft"] for r in results),
+                request_tokens_per_second=statistics.median(r["tokens_per_second"] for r in results),
+                tau=metrics.get("tau"), last_budget=metrics.get("budget"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--head", default=None, help="default: the head shipped for the target")
+    p.add_argument("--method", default="jetspec")
+    p.add_argument("--variants", nargs="+", default=["ar", "16", "32", "64", "128", "auto"])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    p.add_argument("--requests-per-level", type=int, default=3, help="timed requests = this x concurrency")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--width", type=int, default=7)
+    p.add_argument("--chunk-steps", type=int, default=8)
+    p.add_argument("--cost-table", default=None, help="for 'auto' (default: the shipped table, else online)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    p.add_argument("--out", default=None)
+    cache.add_cache_flags(p)
+    args = p.parse_args(argv)
+    cache.configure(args.cache_dir, enabled=not args.no_cache)
+
+    target = load_target(args.model)
+    head = load_head(args.head or packaged_head_path(target, args.method), target.params["embed"].dtype,
+                     target=target)
+    math = [i.prompt for i in load_benchmark("math500", args.data_dir)]
+    chat = [i.prompt for i in load_benchmark("mt_bench", args.data_dir)]
+    prompts = [p for pair in zip(math, chat) for p in pair]
+
+    rows = []
+    for variant in args.variants:
+        server = LiveServer(target, head, variant, args)
+        try:
+            for c in args.concurrency:
+                asyncio.run(closed_loop(server.url, prompts, c, c, 16))  # compiles this level's programs
+                results, wall = asyncio.run(closed_loop(server.url, prompts, c, c * args.requests_per_level,
+                                                        args.max_tokens))
+                rows.append(summarise(variant, c, results, wall, server.engine.metrics()))
+                print_table(rows[-1:], list(rows[-1]))
+        finally:
+            server.close()
+    ar = {r["concurrency"]: r["throughput"] for r in rows if r["variant"] == "ar"}
+    for r in rows:
+        if r["concurrency"] in ar:
+            r["throughput_over_ar"] = r["throughput"] / ar[r["concurrency"]]
+    columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
+               "request_tokens_per_second", "tau", "last_budget"]
+    print_table(rows, columns)
+    if args.out:
+        write_json_atomic(args.out, dict(benchmark="serve_load", target=target.name, method=args.method,
+                                         slots=args.slots, max_tokens=args.max_tokens, environment=environment(),
+                                         rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The OpenAI-compatible server:
+
+    python -m jetspec_jax.serve                          # the embedded model and its head, port 8000
+    python -m jetspec_jax.serve --model M.gguf --head HEAD_DIR --slots 16 --port 8080
+
+SIGINT/SIGTERM stop it gracefully: new requests get 503, running ones finish within
+--shutdown-timeout seconds and the rest are cancelled; a second Ctrl-C quits at once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+from jetspec_jax import cache
+from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
+from jetspec_jax.generate import resolve_method_and_head
+from jetspec_jax.loading.head_checkpoint import verify_head_files
+from jetspec_jax.speculative import METHODS
+from jetspec_jax.target import load_target
+
+
+def budget_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {value!r}") from None
+
+
+def build_parser() -> OneLineErrorParser:
+    p = OneLineErrorParser(prog="python -m jetspec_jax.serve",
+                           description="Serve the target (default: the embedded SmolLM2-135M-Instruct) with "
+                                       "speculative decoding behind an OpenAI-compatible HTTP API: "
+                                       "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
+    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory "
+                                                 "(default: $JETSPEC_TARGET or the embedded model)")
+    p.add_argument("--head", default=None, help="trained draft head directory (default: the head shipped for "
+                                                "the target, else an untrained one)")
+    p.add_argument("--method", choices=("auto", "ar") + METHODS, default="auto",
+                   help="auto: jetspec when a head ships for the target, else ar (as in jetspec_jax.generate)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=8, help="sequences decoded together; more requests queue")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--max-len", type=int, default=2048, help="cache rows per slot: prompt + answer")
+    p.add_argument("--budget", type=budget_arg, default=64,
+                   help="tree nodes verified per step, or 'auto' to pick it from the load")
+    p.add_argument("--width", type=int, default=7, help="candidates per depth")
+    p.add_argument("--chunk-steps", type=int, default=8, help="decode steps per device call between admissions")
+    p.add_argument("--min-batch", type=int, default=1,
+                   help="fewest slot rows a chunk runs (chunks run 1, 2, 4, ... rows, one compilation each); "
+                        "--min-batch equal to --slots compiles once")
+    p.add_argument("--cost-table", default=None, help="step-cost table for --budget auto")
+    p.add_argument("--served-model-name", default=None,
+                   help="the `model` clients send (default: the model file's name)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="answer length when a request gives none")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on shutdown before they are cancelled")
+    p.add_argument("--no-warmup", action="store_true", help="listen before the first compilation")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="weights/activations (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of an untrained head, when one is used")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    cache.add_cache_flags(p)
+    return p
+
+
+def check_cli_settings(args) -> None:
+    problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+                for name in ("slots", "max_queue", "max_len", "width", "chunk_steps", "min_batch", "default_max_tokens")
+                if getattr(args, name) < 1]
+    if not 0 <= args.port <= 65535:
+        problems.append(f"--port must be in 0..65535, got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        problems.append(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if problems:
+        raise InputError("; ".join(problems))
+
+
+def warm_up(engine, prompt_ids: list[int]) -> float:
+    """One short request through the engine, so that the first client does not wait for compilation."""
+    from jetspec_jax.serve.engine import EngineRequest, FinishEvent
+
+    t0 = time.perf_counter()
+    handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, max_new_tokens=4, request_id="warmup"))
+    while not isinstance(event := handle.get(timeout=600), FinishEvent):
+        pass
+    if event.reason == "error":
+        raise RuntimeError(f"warm-up request failed: {event.message}")
+    return time.perf_counter() - t0
+
+
+def serve_command(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+
+    from jetspec_jax.generate import encode_prompts
+    from jetspec_jax.serve.engine import Engine
+    from jetspec_jax.serve.http_server import GracefulServer, create_app
+
+    args = build_parser().parse_args(argv)
+    check_cli_settings(args)
+    cache.configure(args.cache_dir, enabled=not args.no_cache)
+    if args.head:
+        verify_head_files(args.head)  # a damaged head fails before the target loads
+    target = load_target(args.model, dtype=args.dtype)
+    if target.tokenizer is None:
+        raise InputError(f"{target.source} has no tokenizer; the server needs one to read and write text")
+    method, head = resolve_method_and_head(args, target)
+    engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len, budget=args.budget,
+                    width=args.width, chunk_steps=args.chunk_steps, max_queue=args.max_queue,
+                    cost_table=args.cost_table, min_batch=args.min_batch).start()
+    try:
+        if not args.no_warmup:
+            seconds = warm_up(engine, encode_prompts(target.tokenizer, ["Hello"])[0])
+            print(f"warm-up (compilation) took {seconds:.1f} s", file=sys.stderr)
+        name = args.served_model_name or target.name
+        app = create_app(engine, target.tokenizer, name, default_max_tokens=args.default_max_tokens,
+                         shutdown_timeout=args.shutdown_timeout)
+        # uvicorn's own deadline is a backstop behind the engine's, which answers what it cancels.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 10)
+        print(f"serving {name!r} ({method}, {args.slots} slots) on http://{args.host}:{args.port}/v1",
+              file=sys.stderr)
+        server = GracefulServer(config)
+        server.run()
+    finally:
+        # The app's shutdown stops the engine; a forced exit (second Ctrl-C) or a failure before it
+        # ran leaves it running, and its requests are cancelled here.
+        engine.shutdown(drain=False, timeout=5.0)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(serve_command, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

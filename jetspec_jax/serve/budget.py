@@ -1,0 +1,132 @@
+"""The draft budget of each chunk, chosen from the load: large trees when few slots are live, small
+ones when many are, by the expected tokens per second n * tau(B) / step_time(n, B).
+
+The step times and taus come from a cost table (`benchmarks/serve_step_costs.py` writes one; tables for
+known targets and devices ship in cost_tables/) and are refined online from what the engine observes;
+with no table the policy learns online alone, trying every budget at each load first."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+
+import jax
+
+from jetspec_jax.errors import DamagedFileError
+
+AUTO_BUDGETS = (16, 32, 64, 128)
+TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_tables")
+OBSERVED_WEIGHT = 0.2  # exponential moving average of what the engine sees
+TRIES_PER_ARM = 2  # online: chunks each (load, budget) runs before the best is exploited
+
+
+def load_bucket(live: int) -> int:
+    """Loads are grouped by powers of two (1, 2, 4, 8, ...): step time grows smoothly with the batch."""
+    return 1 << max(0, math.ceil(math.log2(max(live, 1))))
+
+
+@dataclasses.dataclass
+class CostTable:
+    step_ms: dict[tuple[int, int], float]  # (batch, budget) -> milliseconds a step
+    tau: dict[int, float]  # budget -> tokens committed per verify pass
+    source: str = "online"
+
+    @staticmethod
+    def read(path: str) -> "CostTable":
+        fix = "write it again with benchmarks/serve_step_costs.py, or pass another --cost-table"
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            rows = data["rows"]
+            step_ms = {(int(r["batch"]), int(r["budget"])): float(r["step_ms"]) for r in rows}
+            taus: dict[int, list[float]] = {}
+            for r in rows:
+                taus.setdefault(int(r["budget"]), []).append(float(r["tau"]))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no cost table at {path}") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DamagedFileError(path, f"not a cost table ({type(e).__name__}: {e})", fix) from None
+        if not step_ms or any(v <= 0 for v in step_ms.values()):
+            raise DamagedFileError(path, "needs rows with positive step_ms", fix)
+        return CostTable(step_ms, {b: sum(v) / len(v) for b, v in taus.items()}, source=path)
+
+    def step_time(self, live: int, budget: int) -> float | None:
+        """Interpolated linearly in the batch between the measured batches around `live`."""
+        batches = sorted(b for b, bud in self.step_ms if bud == budget)
+        if not batches:
+            return None
+        below = [b for b in batches if b <= live] or batches[:1]
+        above = [b for b in batches if b >= live] or batches[-1:]
+        lo, hi = below[-1], above[0]
+        if lo == hi:
+            return self.step_ms[(lo, budget)] * (live / lo if live > hi else 1.0)
+        w = (live - lo) / (hi - lo)
+        return (1 - w) * self.step_ms[(lo, budget)] + w * self.step_ms[(hi, budget)]
+
+
+def shipped_table(target, method: str) -> str | None:
+    """A table shipped for this target (by fingerprint), method and device kind, if any."""
+    kind = jax.devices()[0].device_kind
+    for path in sorted(glob.glob(os.path.join(TABLES_DIR, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if (meta.get("target_fingerprint") == target.fingerprint and meta.get("method") == method
+                and meta.get("device_kind") == kind):
+            return path
+    return None
+
+
+@dataclasses.dataclass
+class BudgetPolicy:
+    budgets: tuple[int, ...]
+    adaptive: bool
+    table: CostTable
+    observed_ms: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, budget)
+    observed_tau: dict[int, float] = dataclasses.field(default_factory=dict)
+    tries: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def create(budget: int | str, width: int, num_slots: int, target, cost_table: str | None,
+               method: str = "jetspec") -> "BudgetPolicy":
+        if budget != "auto":
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 2:
+                raise ValueError(f"budget must be an integer >= 2 or 'auto', got {budget!r}")
+            return BudgetPolicy((budget,), False, CostTable({}, {}))
+        path = cost_table or shipped_table(target, method)
+        table = CostTable.read(path) if path else CostTable({}, {})
+        budgets = tuple(sorted({b for _, b in table.step_ms})) or AUTO_BUDGETS
+        return BudgetPolicy(budgets, True, table)
+
+    def expected_rate(self, live: int, budget: int, batch: int | None = None) -> float | None:
+        """Expected committed tokens per millisecond with `live` sequences in a step of `batch` rows
+        (default: live), or None if unknown."""
+        batch = batch or live
+        ms = self.observed_ms.get((load_bucket(batch), budget))
+        if ms is None:
+            ms = self.table.step_time(batch, budget)
+        tau = self.observed_tau.get(budget, self.table.tau.get(budget))
+        if ms is None or tau is None:
+            return None
+        return live * tau / ms
+
+    def choose(self, live: int, batch: int | None = None) -> int:
+        if not self.adaptive:
+            return self.budgets[0]
+        bucket = load_bucket(batch or live)
+        untried = [b for b in self.budgets if self.expected_rate(live, b, batch) is None
+                   or (not self.table.step_ms and self.tries.get((bucket, b), 0) < TRIES_PER_ARM)]
+        if untried:
+            return untried[0]
+        return max(self.budgets, key=lambda b: self.expected_rate(live, b, batch))
+
+    def observe(self, budget: int, batch: int, step_seconds: float, tau: float) -> None:
+        key = (load_bucket(batch), budget)
+        self.tries[key] = self.tries.get(key, 0) + 1
+        ms = step_seconds * 1e3
+        self.observed_ms[key] = ms if key not in self.observed_ms else (
+            (1 - OBSERVED_WEIGHT) * self.observed_ms[key] + OBSERVED_WEIGHT * ms)
+        self.observed_tau[budget] = tau if budget not in self.observed_tau else (
+            (1 - OBSERVED_WEIGHT) * self.observed_tau[budget] + OBSERVED_WEIGHT * tau)

@@ -1,0 +1,382 @@
+"""The serving engine: requests are admitted into free slots and leave when done, so a finished
+sequence never waits for others. One thread drives the device: it admits queued requests between
+chunks, runs a jitted chunk of steps for every live slot (slots.py), and hands each request its
+committed tokens as they come. The HTTP layer (http_server.py) only talks to `Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.sampling import RowSampling, SamplingConfig
+from jetspec_jax.serve import slots as device
+from jetspec_jax.serve.budget import BudgetPolicy, load_bucket
+from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig
+
+log = logging.getLogger(__name__)
+
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this: one admission program per bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # None: a fresh seed per request
+
+    def config(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates the values
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    request_id: str = ""
+
+
+class TokenEvent(NamedTuple):
+    token_ids: list[int]
+
+
+class FinishEvent(NamedTuple):
+    reason: str  # "stop" (a stop token), "length" (max_new_tokens), "cancelled" or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    message: str | None = None
+
+
+class QueueFullError(RuntimeError):
+    """Every slot is busy and the queue is at its bound: the client should retry later (HTTP 429)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+class RequestHandle:
+    """A submitted request's stream of events; `next()` for asyncio callers, `get()` for threads."""
+
+    def __init__(self, request: EngineRequest, loop: asyncio.AbstractEventLoop | None):
+        self.request = request
+        self.loop = loop
+        self._events: asyncio.Queue | queue.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+        self.cancelled = threading.Event()
+        self.completion_tokens = 0
+        self.finished = False
+
+    def post(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self.completion_tokens += len(event.token_ids)
+        if self.loop is None:
+            self._events.put(event)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the client's event loop is gone
+            self.cancelled.set()
+
+    def finish(self, reason: str, message: str | None = None) -> None:
+        if not self.finished:
+            self.finished = True
+            self.post(FinishEvent(reason, len(self.request.prompt_ids), self.completion_tokens, message))
+
+    async def next(self):
+        return await self._events.get()
+
+    def get(self, timeout: float | None = None):
+        return self._events.get(timeout=timeout)
+
+    def cancel(self) -> None:
+        """Ends the request at the next chunk boundary and frees its slot."""
+        self.cancelled.set()
+
+
+class Engine:
+    def __init__(self, target, head=None, *, method: str = "jetspec", slots: int = 8, max_len: int = 2048,
+                 budget: int | str = 64, width: int = 7, chunk_steps: int = 8, max_queue: int = 64,
+                 cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
+                 attention: str = "auto", min_batch: int = 1):
+        """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
+        ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
+        per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py)."""
+        from jetspec_jax.generate import pad_token, stop_tokens
+
+        if method != "ar" and method not in METHODS:
+            raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
+        if method != "ar" and head is None:
+            raise ValueError(f"method {method!r} needs a draft head")
+        for name, value in (("slots", slots), ("chunk_steps", chunk_steps), ("max_queue", max_queue)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.target, self.method, self.num_slots, self.chunk_steps = target, method, slots, chunk_steps
+        self.max_queue, self.attention, self.min_batch = max_queue, attention, min_batch
+        self.eos_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else stop_tokens(target)
+        self.pad_token_id = pad_token(target)
+        dtype = target.params["embed"].dtype
+        if method == "ar":
+            self.drafter, self.head_params, self.policy, depth = None, None, None, 0
+        else:
+            head_cfg, self.head_params = head
+            self.drafter = HeadDrafter(head_cfg, target.cfg)
+            self.policy = BudgetPolicy.create(budget, width, slots, target, cost_table, method)
+            for b in self.policy.budgets:
+                SpecConfig(method, b, width, attention_impl=attention).depth(self.drafter.max_depth)  # validate
+            depth = self.drafter.max_depth
+        self.width = width
+        scratch = max([device.scratch_rows(self.spec(b), depth) for b in self.policy.budgets]
+                      if self.policy else [1])
+        rows = -(-max_len // 64) * 64
+        if rows > target.cfg.max_position_embeddings + scratch:
+            rows = -(-(target.cfg.max_position_embeddings + scratch) // 64) * 64
+        self.max_len = rows
+        self.max_context = min(rows - scratch, target.cfg.max_position_embeddings)
+        self.slots = device.new_slots(target.cfg, self.drafter, self.head_params, slots, rows, dtype)
+        self.owner: list[RequestHandle | None] = [None] * slots
+        self.pending: collections.deque[RequestHandle] = collections.deque()
+        self.lock = threading.Condition()
+        self.closing, self.drain, self.deadline = False, True, math.inf
+        self.compiled: set = set()  # (budget, active rows) programs compiled so far
+        self.thread: threading.Thread | None = None
+        self.stats = EngineStats()
+
+    def spec(self, budget: int) -> SpecConfig | None:
+        if self.method == "ar":
+            return None
+        return SpecConfig(self.method, budget, self.width, attention_impl=self.attention)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len < 1:
+            raise ValueError("the prompt has no tokens")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_new_tokens!r}")
+        if prompt_len + max_new_tokens > self.max_context:
+            raise ValueError(f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) "
+                             f"exceeds the context of {self.max_context} tokens; lower max_tokens or shorten "
+                             "the prompt")
+
+    def submit(self, request: EngineRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        self.check_request(len(request.prompt_ids), request.max_new_tokens)
+        request.sampling.config()
+        handle = RequestHandle(request, loop)
+        with self.lock:
+            if self.closing:
+                raise EngineClosedError("the server is shutting down")
+            busy = sum(o is not None for o in self.owner)
+            if busy + len(self.pending) >= self.num_slots + self.max_queue:
+                raise QueueFullError(f"all {self.num_slots} slots are busy and {len(self.pending)} requests "
+                                     "are queued; retry later")
+            self.pending.append(handle)
+            self.stats.requests_total += 1
+            self.lock.notify()
+        return handle
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="jetspec-engine", daemon=True)
+            self.thread.start()
+        return self
+
+    def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stops admitting; with `drain`, lets running and queued requests finish for up to `timeout`
+        seconds; whatever is left is cancelled. Returns once the device thread has stopped."""
+        with self.lock:  # a second call can shorten the wait, never extend it
+            self.deadline = min(self.deadline, time.monotonic() + timeout)
+            self.drain = self.drain and drain
+            self.closing = True
+            deadline = self.deadline
+            self.lock.notify()
+        if self.thread is not None:
+            self.thread.join(max(0.0, deadline - time.monotonic()) + 60.0)
+        with self.lock:  # the thread never started, or stopped: nothing may be left waiting
+            for handle in list(self.pending) + [o for o in self.owner if o is not None]:
+                handle.finish("cancelled", "the server shut down")
+            self.pending.clear()
+            self.owner = [None] * self.num_slots
+
+    def metrics(self) -> dict[str, Any]:
+        with self.lock:
+            live = sum(o is not None for o in self.owner)
+            queued = len(self.pending)
+        return self.stats.snapshot() | {"live_slots": live, "queue_depth": queued, "slots": self.num_slots,
+                                        "method": self.method}
+
+    # -- the device thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._drop_cancelled()
+                self._admit_pending()
+                if any(o is not None for o in self.owner):
+                    self._run_chunk()
+        except Exception as e:  # a device failure ends every request with an error, never a hang
+            log.exception("engine failed")
+            with self.lock:
+                self.closing = True
+                for handle in list(self.pending) + [o for o in self.owner if o is not None]:
+                    handle.finish("error", f"engine failure: {e}")
+                self.pending.clear()
+                self.owner = [None] * self.num_slots
+
+    def _wait_for_work(self) -> bool:
+        with self.lock:
+            while True:
+                busy = any(o is not None for o in self.owner)
+                if self.closing:
+                    out_of_time = not self.drain or time.monotonic() >= self.deadline
+                    if out_of_time or not (busy or self.pending):
+                        for handle in list(self.pending) + [o for o in self.owner if o is not None]:
+                            handle.finish("cancelled", "the server shut down")
+                        self.pending.clear()
+                        self.owner = [None] * self.num_slots
+                        return False
+                    return True
+                if busy or self.pending:
+                    return True
+                self.lock.wait(timeout=0.5)
+
+    def _drop_cancelled(self) -> None:
+        with self.lock:
+            for handle in [h for h in self.pending if h.cancelled.is_set()]:
+                self.pending.remove(handle)
+                handle.finish("cancelled")
+        for i, handle in enumerate(self.owner):
+            if handle is not None and handle.cancelled.is_set():
+                self.slots = device.release(self.slots, i)
+                self._free(i, "cancelled")
+
+    def _free(self, index: int, reason: str) -> None:
+        handle = self.owner[index]
+        with self.lock:
+            self.owner[index] = None
+        handle.finish(reason)
+        self.stats.requests_finished += 1
+
+    def _admit_pending(self) -> None:
+        while True:
+            with self.lock:
+                free = [i for i, o in enumerate(self.owner) if o is None]
+                if not free or not self.pending:
+                    return
+                handle = self.pending.popleft()
+                self.owner[free[0]] = handle
+            self._admit(free[0], handle)
+
+    def _admit(self, index: int, handle: RequestHandle) -> None:
+        request = handle.request
+        ids = request.prompt_ids
+        width = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
+        prompt = np.full((1, min(width, self.max_len)), self.pad_token_id, np.int32)
+        prompt[0, : len(ids)] = ids
+        seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
+            np.random.bytes(4), "little")
+        t0 = time.perf_counter()
+        self.slots, first, finished = device.admit(
+            self.target.params, self.head_params, self.slots, jnp.int32(index), prompt,
+            jnp.asarray([len(ids)], jnp.int32), jax.random.key(seed), RowSampling.of([request.sampling.config()]),
+            jnp.int32(request.max_new_tokens), cfg=self.target.cfg, drafter=self.drafter,
+            eos_token_ids=self.eos_token_ids)
+        first, finished = int(first), bool(finished)
+        self.stats.add_prefill(len(ids), time.perf_counter() - t0)
+        handle.post(TokenEvent([first]))
+        self.stats.add_tokens(1)
+        if finished:
+            self._free(index, self._reason(handle, first))
+
+    def _reason(self, handle: RequestHandle, last_token: int) -> str:
+        return "stop" if last_token in self.eos_token_ids else "length"
+
+    def _run_chunk(self) -> None:
+        live_slots = [i for i, o in enumerate(self.owner) if o is not None]
+        live = len(live_slots)
+        # admission fills the lowest slots, so the live ones are at the front
+        active = min(self.num_slots, max(self.min_batch, load_bucket(live_slots[-1] + 1)))
+        budget = self.policy.choose(live, active) if self.policy else None
+        t0 = time.perf_counter()
+        self.slots, out = device.run_chunk(self.target.params, self.head_params, self.slots, cfg=self.target.cfg,
+                                           drafter=self.drafter, spec=None if budget is None else self.spec(budget),
+                                           steps=self.chunk_steps, eos_token_ids=self.eos_token_ids,
+                                           pad_token_id=self.pad_token_id, attention=self.attention, active=active)
+        tokens, counts, finished, steps, accepted = jax.device_get(
+            (out.tokens, out.num_tokens, out.finished, out.steps, out.accepted))
+        seconds = time.perf_counter() - t0
+        steps, accepted, committed = int(steps), int(accepted), int(counts.sum())
+        compiled = (budget, active) not in self.compiled  # this chunk's time includes compilation
+        self.compiled.add((budget, active))
+        self.stats.add_chunk(budget, live, active, steps, committed, accepted, seconds, timed=not compiled)
+        if self.policy is not None and steps and not compiled:
+            self.policy.observe(budget, active, seconds / steps, (accepted + live * steps) / (live * steps))
+        for i in live_slots:
+            if counts[i] == 0:
+                continue
+            handle = self.owner[i]
+            new = tokens[i, : counts[i]].tolist()
+            handle.post(TokenEvent(new))
+            if finished[i]:
+                self._free(i, self._reason(handle, new[-1]))
+
+
+class EngineStats:
+    """Counters for /metrics; rates over the last `window` seconds of chunks."""
+
+    def __init__(self, window: float = 10.0):
+        self.window = window
+        self.lock = threading.Lock()
+        self.recent: collections.deque = collections.deque()  # (time, tokens, forwards, accepted)
+        self.requests_total = self.requests_finished = 0
+        self.tokens_total = self.prompt_tokens_total = 0
+        self.budget: int | None = None
+        self.history: list[dict] | None = None  # a benchmark sets a list to keep every chunk
+
+    def add_tokens(self, n: int) -> None:
+        with self.lock:
+            self.tokens_total += n
+
+    def add_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        with self.lock:
+            self.prompt_tokens_total += prompt_tokens
+
+    def add_chunk(self, budget, live: int, active: int, steps: int, committed: int, accepted: int,
+                  seconds: float, timed: bool = True) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.budget = budget
+            self.tokens_total += committed
+            if not timed:
+                return
+            self.recent.append((now, seconds, committed, live * steps, accepted))
+            if self.history is not None:
+                self.history.append(dict(budget=budget, live=live, active=active, steps=steps, seconds=seconds,
+                                         committed=committed, accepted=accepted))
+            while self.recent and self.recent[0][0] < now - self.window:
+                self.recent.popleft()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            busy = sum(r[1] for r in self.recent)
+            tokens = sum(r[2] for r in self.recent)
+            forwards = sum(r[3] for r in self.recent)
+            accepted = sum(r[4] for r in self.recent)
+            return {"tokens_per_second": tokens / busy if busy else 0.0,
+                    "tau": (forwards + accepted) / forwards if forwards else 0.0,
+                    "budget": self.budget, "requests_total": self.requests_total,
+                    "requests_finished": self.requests_finished, "generated_tokens_total": self.tokens_total,
+                    "prompt_tokens_total": self.prompt_tokens_total}

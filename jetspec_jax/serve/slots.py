@@ -1,0 +1,158 @@
+"""Device side of the server: a fixed set of sequence slots sharing one target cache and one head
+context, a jitted admission (prefill one prompt into a free slot's rows) and a jitted chunk of steps
+for every live slot, which returns after `steps` steps or as soon as a slot finishes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jetspec_jax.autoregressive import is_stop_token, prefill
+from jetspec_jax.kv_cache import KVCache, write_block
+from jetspec_jax.models import qwen3
+from jetspec_jax.sampling import RowSampling, select_tokens_rows
+from jetspec_jax.speculative import SpecConfig, speculative_cache_rows, speculative_step
+
+
+class Slots(NamedTuple):
+    """Every leaf has the slot axis first. Invariant per live slot, as in speculative.py: the cache
+    holds every committed token but the newest (`anchor`), and the head has seen exactly those."""
+    cache: KVCache
+    draft: Any  # the drafter's state (the head's context), or None for AR
+    anchor: jax.Array  # (S,) the newest committed token
+    num: jax.Array  # (S,) tokens generated so far
+    limit: jax.Array  # (S,) max_new_tokens of the slot's request
+    live: jax.Array  # (S,) bool: a request is decoding in this slot
+    keys: jax.Array  # (S,) PRNG keys, one stream per request
+    sampling: RowSampling
+    forwards: jax.Array  # (S,) target passes (verify or decode) since admission
+
+
+class ChunkOutput(NamedTuple):
+    tokens: jax.Array  # (S, steps * (D + 1)) tokens committed in this chunk, per slot
+    num_tokens: jax.Array  # (S,) how many of them count
+    finished: jax.Array  # (S,) the slot's request ended in this chunk (EOS or its limit)
+    steps: jax.Array  # () steps run
+    accepted: jax.Array  # () drafts accepted over all live slots and steps (tau numerator - forwards)
+
+
+def scratch_rows(spec: SpecConfig | None, depth: int) -> int:
+    """Rows past a sequence's committed length that one step writes."""
+    return 1 if spec is None else speculative_cache_rows(spec.budget, depth)
+
+
+def new_slots(cfg: qwen3.Config, drafter, drafter_params, num_slots: int, max_len: int, dtype) -> Slots:
+    def zeros(dtype=jnp.int32):  # a buffer per field: the chunk donates them all
+        return jnp.zeros((num_slots,), dtype)
+
+    draft = None if drafter is None else drafter.init_state(drafter_params, num_slots, max_len, dtype)
+    return Slots(cache=qwen3.new_cache(cfg, num_slots, max_len, dtype), draft=draft, anchor=zeros(), num=zeros(),
+                 limit=zeros(), live=zeros(bool), keys=jax.random.split(jax.random.key(0), num_slots),
+                 sampling=RowSampling(zeros(jnp.float32), zeros(), jnp.ones((num_slots,), jnp.float32)),
+                 forwards=zeros())
+
+
+def _set_row(tree, index, row_tree):
+    """tree's leaves (S, ...) get row `index` from row_tree's leaves (1, ...)."""
+    return jax.tree.map(lambda a, r: a.at[index].set(r[0].astype(a.dtype)), tree, row_tree)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids"), donate_argnames=("slots",))
+def admit(params, drafter_params, slots: Slots, index: jax.Array, prompt: jax.Array, prompt_len: jax.Array,
+          key: jax.Array, sampling: RowSampling, limit: jax.Array, *, cfg: qwen3.Config, drafter,
+          eos_token_ids: tuple[int, ...]):
+    """Prefills one right-padded prompt (1, P) into slot `index` and picks its first token.
+    Returns (slots, first token, finished) where finished means the request already ended."""
+    params = qwen3.fuse_for_decode(params)
+    taps_wanted = () if drafter is None else tuple(drafter.tap_layers)
+    logits, taps, cache = prefill(params, prompt, prompt_len, cfg, slots.cache.max_len, tap_layers=taps_wanted)
+    draft = slots.draft
+    if drafter is not None:
+        state = drafter.init_state(drafter_params, 1, slots.cache.max_len, params["embed"].dtype)
+        if taps_wanted:
+            state = drafter.observe(drafter_params, state, taps, prompt_len)
+        draft = _set_row(draft, index, state)
+    key, sub = jax.random.split(key)
+    first = select_tokens_rows(logits, sub[None], sampling)[0]
+    finished = is_stop_token(first, eos_token_ids) | (limit <= 1)
+    row = dict(anchor=first, num=jnp.int32(1), limit=limit, live=~finished, keys=key, forwards=jnp.int32(0))
+    slots = slots._replace(cache=_set_row(slots.cache, index, cache), draft=draft,
+                           sampling=_set_row(slots.sampling, index, sampling),
+                           **{name: getattr(slots, name).at[index].set(value) for name, value in row.items()})
+    return slots, first, finished
+
+
+def release(slots: Slots, index: int) -> Slots:
+    """Ends the request in slot `index` (cancelled); its rows are overwritten by the next admission."""
+    return slots._replace(live=slots.live.at[index].set(False))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec", "steps", "eos_token_ids", "pad_token_id",
+                                             "attention", "active"), donate_argnames=("slots",))
+def run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, drafter, spec: SpecConfig | None,
+              steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int, attention: str = "auto",
+              active: int | None = None) -> tuple[Slots, ChunkOutput]:
+    """Up to `steps` steps for the slots (speculative with `spec`, else one AR token each, with
+    `attention` as the decode steps' attention); returns early after the step in which any slot
+    finished, so the host can refill it. Only the first `active` slots run (the host keeps the live
+    ones there): a light load pays for a small batch, not for every slot."""
+    if active is not None and active < slots.anchor.shape[0]:
+        head = jax.tree.map(lambda a: a[:active], slots)
+        head, out = run_chunk.__wrapped__(params, drafter_params, head, cfg=cfg, drafter=drafter, spec=spec,
+                                          steps=steps, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                                          attention=attention)
+        return jax.tree.map(lambda a, h: a.at[:active].set(h), slots, head), out
+    params = qwen3.fuse_for_decode(params)
+    depth = 0 if spec is None else spec.depth(drafter.max_depth)
+    per_step = depth + 1
+    n = slots.anchor.shape[0]
+    out = jnp.full((n, steps * per_step), pad_token_id, jnp.int32)
+
+    def choose(logits, keys):
+        return select_tokens_rows(logits, keys, slots.sampling)
+
+    def step(slots: Slots):
+        split = jax.vmap(jax.random.split)(slots.keys)
+        keys, sub = split[:, 0], split[:, 1]
+        live, remaining = slots.live, slots.limit - slots.num
+        if spec is None:
+            logits, _, cache = qwen3.forward(params, slots.anchor[:, None], slots.cache.lengths[:, None],
+                                             slots.cache, cfg, attention_impl=attention)
+            cache = cache.advance(live)
+            token = choose(logits[:, 0], sub)
+            committed = jnp.where(live, 1, 0)
+            hit_eos = live & is_stop_token(token, eos_token_ids)
+            tokens = jnp.where(live, token, pad_token_id)[:, None]
+            slots = slots._replace(cache=cache, anchor=jnp.where(live, token, slots.anchor))
+            accepted = jnp.int32(0)
+        else:
+            result = speculative_step(params, drafter_params, slots.anchor, slots.cache, slots.draft, live, remaining,
+                                      lambda logits: choose(logits, sub), cfg=cfg, drafter=drafter, spec=spec,
+                                      depth=depth, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+            committed, hit_eos, tokens = result.num_committed, result.hit_eos, result.tokens
+            slots = slots._replace(cache=result.cache, draft=result.state, anchor=result.anchor)
+            accepted = jnp.sum(jnp.where(live, jnp.minimum(result.accept_len, committed - 1), 0))
+        num = slots.num + committed
+        finished = live & (hit_eos | (num >= slots.limit))
+        slots = slots._replace(num=num, live=live & ~finished, keys=keys,
+                               forwards=slots.forwards + live.astype(jnp.int32))
+        return slots, tokens, committed, finished, accepted
+
+    def cond(carry):
+        i, slots, _, _, finished, _ = carry
+        return (i < steps) & ~jnp.any(finished) & jnp.any(slots.live)
+
+    def body(carry):
+        i, slots, out, emitted, finished, accepted = carry
+        slots, tokens, committed, newly_finished, step_accepted = step(slots)
+        out = write_block(out, tokens, emitted)
+        return i + 1, slots, out, emitted + committed, finished | newly_finished, accepted + step_accepted
+
+    zeros = jnp.zeros((n,), jnp.int32)
+    carry = (jnp.int32(0), slots, out, zeros, jnp.zeros((n,), bool), jnp.int32(0))
+    i, slots, out, emitted, finished, accepted = lax.while_loop(cond, body, carry)
+    return slots, ChunkOutput(tokens=out, num_tokens=emitted, finished=finished, steps=i, accepted=accepted)

@@ -1,0 +1,206 @@
+"""The serving engine on a tiny random target: requests admitted into slots as others finish give
+exactly offline generation's tokens at T=0, follow the target's distribution at T>0, and cancellation,
+the queue bound and shutdown behave."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_speculative import chi_square_pvalue, exact_token_distributions
+
+from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
+from jetspec_jax.errors import DamagedFileError
+from jetspec_jax.generate import pad_prompts, random_head
+from jetspec_jax.sampling import SamplingConfig
+from jetspec_jax.serve.budget import BudgetPolicy, CostTable
+from jetspec_jax.serve.engine import (Engine, EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
+                                      SamplingParams, TokenEvent)
+from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_generate
+
+EOS = 7  # a token the random tiny model emits now and then, so some requests stop early
+TIMEOUT = 300.0
+
+
+def collect(handle, timeout: float = TIMEOUT) -> tuple[list[int], FinishEvent]:
+    tokens, deadline = [], time.monotonic() + timeout
+    while True:
+        event = handle.get(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(event, FinishEvent):
+            return tokens, event
+        assert isinstance(event, TokenEvent)
+        tokens += event.token_ids
+
+
+def offline(target, head, method, prompts, limits, budget=8, width=3) -> list[list[int]]:
+    """Offline generation of every prompt in one batch (one compilation), cut to each request's limit:
+    at T=0 a sequence's first n tokens do not depend on its limit."""
+    tokens, lengths = pad_prompts(prompts, 0)
+    gen = GenerationConfig(max_new_tokens=max(limits), eos_token_ids=(EOS,), pad_token_id=0)
+    args = (jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0))
+    if method == "ar":
+        out = generate_tokens(target.params, *args, cfg=target.cfg, gen=gen, cache_len=256)
+    else:
+        out = speculative_generate(target.params, head[1], *args, cfg=target.cfg,
+                                   drafter=HeadDrafter(head[0], target.cfg), spec=SpecConfig(method, budget, width),
+                                   gen=gen, cache_len=256)
+    rows = np.asarray(out.tokens)
+    return [rows[i, : min(int(out.num_tokens[i]), limit)].tolist() for i, limit in enumerate(limits)]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3):
+    return tiny_qwen3[0]
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    return {"jetspec": random_head(target, "causal", seed=3), "ddtree": random_head(target, "bidirectional", seed=4),
+            "ar": None}
+
+
+PROMPTS = [[5, 12, 40], list(range(10, 27)), [90, 3, 3, 8, 60] * 8, [44] * 9, [2, 70], list(range(30, 52))]
+LIMITS = [12, 30, 7, 20, 25, 16]
+
+
+@pytest.mark.parametrize("method", ["jetspec", "ddtree", "ar"])
+def test_t0_requests_equal_offline_generation(target, heads, method):
+    """Six requests on three slots (the later ones admitted as earlier ones finish), with sampled
+    requests sharing the batch: each greedy output is offline generation's, token for token."""
+    engine = Engine(target, heads[method], method=method, slots=3, max_len=256, budget=8, width=3, chunk_steps=4,
+                    stop_token_ids=(EOS,)).start()
+    try:
+        greedy = [engine.submit(EngineRequest(p, m, SamplingParams(), f"g{i}"))
+                  for i, (p, m) in enumerate(zip(PROMPTS, LIMITS))]
+        sampled = [engine.submit(EngineRequest(p, 10, SamplingParams(temperature=1.0, top_p=0.9, seed=i)))
+                   for i, p in enumerate(PROMPTS[:2])]
+        results = [collect(h) for h in greedy + sampled]
+    finally:
+        engine.shutdown()
+    for (tokens, finish), prompt, expected in zip(results, PROMPTS, offline(target, heads[method], method,
+                                                                              PROMPTS, LIMITS)):
+        assert tokens == expected
+        assert finish.reason == ("stop" if tokens[-1] == EOS else "length")
+        assert finish.completion_tokens == len(tokens) and finish.prompt_tokens == len(prompt)
+    assert all(finish.reason in ("stop", "length") for _, finish in results[len(greedy):])
+    assert engine.metrics()["requests_finished"] == len(greedy) + len(sampled)
+
+
+def test_sampled_requests_follow_the_target_distribution(target, heads):
+    """3000 requests of three sampled tokens through 64 slots against the exact target distribution
+    (p-values against 1e-3, as the offline test: a false alarm rate of at most 0.2%; fixed seeds)."""
+    sampling = SamplingConfig(temperature=1.0)
+    prompt, n = [5, 12, 40], 3000
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=64, max_len=64, budget=8, width=3,
+                    chunk_steps=4, max_queue=n, stop_token_ids=(), min_batch=64).start()
+    try:
+        handles = [engine.submit(EngineRequest(prompt, 3, SamplingParams(temperature=1.0, seed=i))) for i in range(n)]
+        tokens = np.asarray([collect(h)[0] for h in handles])
+        again = collect(engine.submit(EngineRequest(prompt, 3, SamplingParams(temperature=1.0, seed=17))))[0]
+    finally:
+        engine.shutdown()
+    assert tokens.shape == (n, 3)
+    assert again == tokens[17].tolist()  # a request's seed fixes its sample
+    joint12, marginal3 = exact_token_distributions(target, prompt, sampling)
+    v = target.cfg.vocab_size
+    assert chi_square_pvalue(np.bincount(tokens[:, 0] * v + tokens[:, 1], minlength=v * v), joint12) > 1e-3
+    assert chi_square_pvalue(np.bincount(tokens[:, 2], minlength=v), marginal3) > 1e-3
+
+
+def test_cancel_frees_the_slot_for_the_next_request(target, heads):
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=1, max_len=256, budget=8, width=3,
+                    chunk_steps=2, stop_token_ids=()).start()
+    try:
+        long = engine.submit(EngineRequest(PROMPTS[0], 200))
+        waiting = engine.submit(EngineRequest(PROMPTS[1], 5))
+        assert isinstance(long.get(timeout=TIMEOUT), TokenEvent)
+        long.cancel()
+        tokens, finish = collect(long)
+        assert finish.reason == "cancelled" and len(tokens) < 200
+        assert collect(waiting)[1].reason == "length"
+        assert engine.metrics()["live_slots"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_queue_is_bounded(target, heads):
+    engine = Engine(target, heads["ar"], method="ar", slots=2, max_len=128, max_queue=3)  # not started
+    for _ in range(5):
+        engine.submit(EngineRequest([1, 2], 4))
+    with pytest.raises(QueueFullError, match="retry later"):
+        engine.submit(EngineRequest([1, 2], 4))
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_shutdown_under_load_ends_every_request(target, heads, drain):
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=2, max_len=256, budget=8, width=3,
+                    chunk_steps=2, max_queue=16, stop_token_ids=()).start()
+    handles = [engine.submit(EngineRequest(p, 40)) for p in PROMPTS]
+    handles[0].get(timeout=TIMEOUT)
+    start = time.monotonic()
+    engine.shutdown(drain=drain, timeout=120.0)
+    assert time.monotonic() - start < 180.0
+    reasons = [collect(h, timeout=5.0)[1].reason for h in handles]
+    assert set(reasons) <= ({"length"} if drain else {"length", "cancelled"})
+    if not drain:
+        assert "cancelled" in reasons
+    with pytest.raises(EngineClosedError):
+        engine.submit(EngineRequest([1, 2], 4))
+
+
+def test_bad_requests_name_the_field(target, heads):
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=1, max_len=128, budget=8, width=3)
+    with pytest.raises(ValueError, match="max_tokens.*exceeds the context"):
+        engine.submit(EngineRequest([1] * 100, 50))
+    with pytest.raises(ValueError, match="no tokens"):
+        engine.submit(EngineRequest([], 5))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.submit(EngineRequest([1], 5, SamplingParams(temperature=1.0, top_p=0.0)))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.submit(EngineRequest([1], 5, SamplingParams(temperature=-1.0)))
+    with pytest.raises(ValueError, match="budget"):
+        Engine(target, heads["jetspec"], method="jetspec", budget=1)
+    with pytest.raises(ValueError, match="needs a draft head"):
+        Engine(target, None, method="jetspec")
+    engine.shutdown()
+
+
+def cost_table(tmp_path, rows) -> str:
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"rows": [dict(batch=b, budget=bud, step_ms=ms, tau=tau) for b, bud, ms, tau in rows]}))
+    return str(path)
+
+
+def test_adaptive_budget_follows_the_load(target, tmp_path):
+    """Large trees pay at low load, small ones at high load (numbers shaped like the H200's)."""
+    path = cost_table(tmp_path, [(1, 16, 1.1, 2.9), (1, 64, 1.3, 3.6), (16, 16, 1.6, 2.9), (16, 64, 3.2, 3.6)])
+    policy = BudgetPolicy.create("auto", 7, 16, target, path)
+    assert policy.budgets == (16, 64)
+    assert policy.choose(1) == 64 and policy.choose(16) == 16
+    assert policy.choose(8) == 16  # steps interpolated to 1.33 vs 2.19 ms
+    fixed = BudgetPolicy.create(32, 7, 16, target, path)
+    assert fixed.choose(1) == fixed.choose(16) == 32
+
+
+def test_adaptive_budget_learns_online_without_a_table(target):
+    policy = BudgetPolicy.create("auto", 7, 8, target, cost_table=None, method="no-shipped-table")
+    seen = []
+    for _ in range(2 * len(policy.budgets)):
+        budget = policy.choose(4)
+        seen.append(budget)
+        policy.observe(budget, 4, step_seconds=1e-3 * (1 + budget / 64), tau=1 + np.log2(budget) / 2)
+    assert sorted(set(seen)) == list(policy.budgets)  # every budget tried first
+    rates = {b: 4 * (1 + np.log2(b) / 2) / (1 + b / 64) for b in policy.budgets}
+    assert policy.choose(4) == max(rates, key=rates.get)
+
+
+def test_bad_cost_table_is_named(target, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"rows": [{"batch": 1}]}')
+    with pytest.raises(DamagedFileError, match="bad.json.*not a cost table"):
+        CostTable.read(str(path))

@@ -1,0 +1,457 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, through the official `openai` client: outputs at
+temperature 0 equal offline generation (a tiny random model with a character tokenizer, and the
+embedded model with its shipped head), streaming, stop strings, concurrency and admission, client
+disconnects, queue overflow (429), bad requests (400 naming the field) and shutdown under load."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from conftest import make_tiny_checkpoint
+from jetspec_jax.generate import generate, random_head
+from jetspec_jax.serve.engine import Engine
+from jetspec_jax.serve.http_server import GracefulServer, begin_shutdown, create_app
+from jetspec_jax.target import load_target
+
+REQUEST_TIMEOUT = 120.0  # seconds one request may take (first ones compile)
+MODEL = "test-model"
+# min_batch=slots: every chunk runs all 4 rows, so each engine compiles one chunk program, not one per load
+TINY_ENGINE = dict(method="jetspec", slots=4, max_len=512, budget=8, chunk_steps=4, max_queue=12, min_batch=4)
+EMBEDDED_ENGINE = dict(method="jetspec", slots=4, max_len=256, budget=16, chunk_steps=4, max_queue=12, min_batch=4)
+
+
+def char_tokenizer():
+    """A character tokenizer of 97 ids for the tiny model (vocab_size 97), with a ChatML template.
+    Its end-of-text id (96) is one the random model's greedy outputs never reach in 400 tokens, so
+    long requests stay long."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    chars = ["\n"] + [chr(c) for c in range(32, 127) if chr(c) not in "`~^"]
+    vocab = {t: i for i, t in enumerate(["<|im_start|>", "<|im_end|>", "<unk>"] + chars + ["<|endoftext|>"])}
+    assert len(vocab) == 97
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>", pad_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=template)
+
+
+@dataclasses.dataclass
+class Live:
+    url: str
+    server: GracefulServer
+    thread: threading.Thread
+    engine: Engine
+    app: object
+
+    def client(self, timeout: float = REQUEST_TIMEOUT) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {m[1]: float(m[2]) for m in re.finditer(r"^jetspec_(\w+) (\S+)$", text, re.M)}
+
+    def wait_idle(self, timeout: float = REQUEST_TIMEOUT) -> dict[str, float]:
+        """Metrics once no slot is live and nothing is queued; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if m["live_slots"] == 0 and m["queue_depth"] == 0:
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"the engine is still busy after {timeout} s: {self.metrics()}")
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, tokenizer, graceful: float = 10.0):
+    """A real uvicorn server on a free 127.0.0.1 port, in a background thread."""
+    app = create_app(engine, tokenizer, MODEL, default_max_tokens=16, shutdown_timeout=graceful)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = GracefulServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful + 10))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    live = Live(f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread, engine, app)
+    try:
+        yield live
+    finally:
+        server.should_exit = True
+        thread.join(graceful + 70)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny-serve"))
+    make_tiny_checkpoint("qwen3", path, seed=1)
+    char_tokenizer().save_pretrained(path)
+    target = load_target(path, dtype="float32")  # the real loader picks up the tokenizer
+    head = random_head(target, "causal")
+    return target, head
+
+
+TINY_PROMPTS = ["What is 2+2?", "Tell me a story about a cat.", "Hi there!"]
+TINY_LONGEST = 300
+
+
+@pytest.fixture(scope="module")
+def tiny_offline(tiny):
+    """{prompt: offline greedy token ids} for TINY_PROMPTS, TINY_LONGEST tokens, in one compilation."""
+    target, _ = tiny
+    return dict(zip(TINY_PROMPTS, offline(target, TINY_PROMPTS, [TINY_LONGEST] * len(TINY_PROMPTS))))
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny):
+    target, head = tiny
+    with serving(Engine(target, head, **TINY_ENGINE).start(), target.tokenizer) as live:
+        chat(live.client(), "warm up", max_tokens=2)  # compiles, so that tests time requests only
+        yield live
+
+
+@pytest.fixture(scope="module")
+def embedded_server(embedded_target):
+    from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path
+
+    head = load_head(packaged_head_path(embedded_target, "jetspec"), embedded_target.params["embed"].dtype,
+                     target=embedded_target)
+    with serving(Engine(embedded_target, head, **EMBEDDED_ENGINE).start(), embedded_target.tokenizer) as live:
+        yield live
+
+
+def offline(target, prompts, max_tokens, chat=True):
+    """Offline greedy token ids, one batched call; request i's answer is the first max_tokens[i]."""
+    out = generate(list(prompts), target, method="ar", max_new_tokens=max(max_tokens), chat=chat)
+    return [ids[:n] for ids, n in zip(out.token_ids, max_tokens)]
+
+
+def chat(client, prompt, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                          temperature=0, **kw)
+
+
+def read_stream(stream, chat=True):
+    """(text, finish_reason, usage) of a streamed completion."""
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+
+
+def test_chat_and_completions_equal_offline_generation(tiny, tiny_offline, tiny_server):
+    target, _ = tiny
+    expected = target.tokenizer.decode(tiny_offline["What is 2+2?"][:24], skip_special_tokens=True)
+    client = tiny_server.client()
+
+    r = chat(client, "What is 2+2?", max_tokens=24)
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "length" and r.model == MODEL and r.object == "chat.completion"
+    assert (r.usage.completion_tokens, r.usage.total_tokens) == (24, r.usage.prompt_tokens + 24)
+
+    stream = chat(client, "What is 2+2?", max_tokens=24, stream=True, stream_options={"include_usage": True})
+    text, finish, usage = read_stream(stream)
+    assert (text, finish, usage.completion_tokens) == (expected, "length", 24)
+
+    # The chat template's text as a raw prompt tokenizes to the same ids, so it has the same answer.
+    raw = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                               add_generation_prompt=True)
+    r = client.completions.create(model=MODEL, prompt=raw, max_tokens=24, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (expected, "length", 24)
+    stream = client.completions.create(model=MODEL, prompt=raw, max_tokens=24, temperature=0, stream=True)
+    text, finish, usage = read_stream(stream, chat=False)
+    assert (text, finish, usage) == (expected, "length", None)  # usage only when asked for
+    tiny_server.wait_idle()
+
+
+def test_stop_strings_cut_the_text_and_free_the_slot(tiny, tiny_offline, tiny_server):
+    target, _ = tiny
+    full = target.tokenizer.decode(tiny_offline["What is 2+2?"][:40], skip_special_tokens=True)
+    stop = full[10:13]  # three characters: held back across tokens until they match
+    expected = full[: full.find(stop)]
+    client = tiny_server.client()
+    r = chat(client, "What is 2+2?", max_tokens=40, stop=[stop, "never-there"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (expected, "stop")
+    text, finish, _ = read_stream(chat(client, "What is 2+2?", max_tokens=40, stop=stop, stream=True))
+    assert (text, finish) == (expected, "stop")
+    tiny_server.wait_idle()
+
+
+def test_sixteen_concurrent_requests_equal_offline_generation(embedded_target, embedded_server):
+    """Different prompts and lengths, half of them streamed, more than the slots at once: each answer
+    is the offline greedy one (T=0 is lossless), cut at its own max_tokens or at EOS."""
+    topics = ["the sea", "a cat", "rain", "the moon", "bread", "music", "a tree", "snow"]
+    prompts = [f"Write one sentence about {t}." if i % 2 else f"What is {i} + {i + 3}?"
+               for i, t in enumerate(topics * 2)]
+    max_tokens = [3 + (i * 5) % 10 for i in range(16)]  # few tokens: the 135M model is slow on CPU
+    expected = [embedded_target.tokenizer.decode(ids, skip_special_tokens=True)
+                for ids in offline(embedded_target, prompts, max_tokens)]
+    client = embedded_server.client()
+
+    def ask(i):
+        if i % 2:
+            return read_stream(chat(client, prompts[i], max_tokens=max_tokens[i], stream=True))[:2]
+        r = chat(client, prompts[i], max_tokens=max_tokens[i])
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16), timeout=3 * REQUEST_TIMEOUT))
+    assert [a[0] for a in answers] == expected
+    assert {a[1] for a in answers} <= {"stop", "length"}
+    m = embedded_server.wait_idle()
+    assert m["requests_total"] >= 16 and m["tau"] >= 1.0 and "budget" in m
+
+
+def test_admission_while_others_run(tiny, tiny_offline, tiny_server):
+    """A short request admitted while a long one streams finishes first; both equal offline."""
+    target, _ = tiny
+    decode = target.tokenizer.decode
+    long_prompt, short_prompt = "Tell me a story about a cat.", "Hi there!"
+    client = tiny_server.client()
+    stream = chat(client, long_prompt, max_tokens=TINY_LONGEST, stream=True)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].delta.content + next(chunks).choices[0].delta.content  # it is running
+    short = chat(client, short_prompt, max_tokens=8)
+    assert short.choices[0].message.content == decode(tiny_offline[short_prompt][:8], skip_special_tokens=True)
+    assert tiny_server.metrics()["live_slots"] == 1  # the long one is still going
+    rest, finish, _ = read_stream(chunks)
+    assert text + rest == decode(tiny_offline[long_prompt], skip_special_tokens=True) and finish == "length"
+    tiny_server.wait_idle()
+
+
+# ---- disconnects, overflow, shutdown --------------------------------------------------------------
+
+
+def test_client_disconnect_frees_the_slot(tiny_server):
+    """A stream closed after two chunks, and a non-streamed request whose client gives up, both stop
+    generating well before their max_tokens (the tiny model never ends by itself)."""
+    client = tiny_server.client()
+    before = tiny_server.wait_idle()["generated_tokens_total"]
+    stream = chat(client, "Tell me a story about a cat.", max_tokens=400, stream=True)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    stream.close()
+    after = tiny_server.wait_idle()["generated_tokens_total"]
+    assert after - before < 400
+
+    with pytest.raises(openai.APITimeoutError):
+        chat(tiny_server.client(timeout=0.5), "Tell me a story about a dog.", max_tokens=400)
+    final = tiny_server.wait_idle()["generated_tokens_total"]
+    assert final - after < 400
+
+
+def test_queue_overflow_is_429_and_shutdown_answers_the_queue(tiny):
+    """An engine whose device thread is not started admits nothing: slots + max_queue requests wait,
+    the next ones get 429. Shutting down then answers the waiting ones with a 'cancelled' error
+    event, and /health and new requests get 503."""
+    target, head = tiny
+    engine = Engine(target, head, **{**TINY_ENGINE, "slots": 2, "max_queue": 2})  # never started
+    with serving(engine, target.tokenizer) as live:
+        client = live.client()
+        waiting = [chat(client, f"question {i}", max_tokens=8, stream=True) for i in range(4)]
+        assert live.metrics()["queue_depth"] == 4
+        for _ in range(3):
+            with pytest.raises(openai.RateLimitError) as e:
+                chat(client, "one too many", max_tokens=8)
+            assert e.value.status_code == 429 and e.value.code == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="also too many", max_tokens=8, stream=True)
+        assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+
+        begin_shutdown(live.app).join(30)
+        for stream in waiting:
+            with pytest.raises(openai.APIError) as e:
+                read_stream(stream)
+            assert e.value.code == "cancelled"
+        assert httpx.get(f"{live.url}/health").status_code == 503
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(client, "late", max_tokens=8)
+        assert e.value.status_code == 503 and e.value.code == "shutting_down"
+    assert engine.metrics()["queue_depth"] == 0
+
+
+def test_shutdown_under_load_finishes_or_cancels_everything(tiny):
+    """SIGTERM's path with 6 requests on 4 slots and a 2 s grace period: the short running ones
+    finish, the others finish or are cancelled and told so (503, or an error event in the stream),
+    none hangs, and the server and the engine stop."""
+    target, head = tiny
+    engine = Engine(target, head, **TINY_ENGINE).start()  # the tiny server's shapes: no new compilation
+    with serving(engine, target.tokenizer, graceful=2.0) as live:
+        client = live.client(timeout=60)
+        assert chat(client, "warm", max_tokens=4).choices[0].finish_reason == "length"
+
+        def ask(i, max_tokens):
+            try:
+                if i % 2:
+                    return read_stream(chat(client, f"story {i}", max_tokens=max_tokens, stream=True))[1]
+                return chat(client, f"story {i}", max_tokens=max_tokens).choices[0].finish_reason
+            except openai.APIError as e:
+                return e.code or type(e).__name__
+
+        def submitted(n):
+            deadline = time.monotonic() + 30
+            while live.metrics()["requests_total"] < 1 + n and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            running = [pool.submit(ask, i, n) for i, n in enumerate([30, 30, 400, 400])]  # fill the 4 slots
+            submitted(4)
+            queued = [pool.submit(ask, i, 400) for i in (4, 5)]
+            submitted(6)
+            t0 = time.monotonic()
+            live.server.handle_exit(signal.SIGTERM, None)
+            outcomes = [f.result(timeout=60) for f in running + queued]
+        live.thread.join(60)
+        assert not live.thread.is_alive() and time.monotonic() - t0 < 30
+    assert engine.thread is not None and not engine.thread.is_alive()
+    assert outcomes[:2] == ["length", "length"], outcomes  # short ones finish within the grace period
+    assert set(outcomes) <= {"length", "cancelled"}, outcomes
+
+
+# ---- bad requests ---------------------------------------------------------------------------------
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+BAD_CHAT = [
+    (dict(model="no-such-model"), "model"),
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+    (dict(max_tokens=10_000), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_completion_tokens=10_000), "max_completion_tokens"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=2), "top_p"),
+    (dict(extra_body={"top_k": -1}), "top_k"),
+    (dict(n=2), "n"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(stream_options={"include_usage": "maybe"}), "stream_options.include_usage"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_bad_chat_request_is_400_naming_the_field(tiny_server, fields, param):
+    request = dict(model=MODEL, messages=MESSAGES) | fields
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_server.client().chat.completions.create(**request)
+    assert e.value.status_code == 400 and e.value.param == param and e.value.type == "invalid_request_error"
+    assert param.split("[")[0].split(".")[0] in e.value.message
+
+
+BAD_COMPLETION = [(dict(prompt=""), "prompt"), (dict(prompt="x", max_tokens=10_000), "max_tokens"),
+                  (dict(prompt=[1, 2, 10_000]), "prompt"), (dict(prompt=["a", "b"]), "prompt"),
+                  (dict(prompt="x", top_p=2), "top_p")]
+
+
+@pytest.mark.parametrize("fields,param", BAD_COMPLETION)
+def test_bad_completion_request_is_400_naming_the_field(tiny_server, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_server.client().completions.create(model=MODEL, **fields)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("body", [b'{"model": "test-model", "messages": [', b"not json", b"[1, 2]", b"\xff\xfe"])
+def test_malformed_json_is_400(tiny_server, body):
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_json"
+
+
+# ---- the other endpoints ----------------------------------------------------------------------------
+
+
+def test_models_health_metrics_and_unknown_routes(tiny_server):
+    client = tiny_server.client()
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    assert httpx.get(f"{tiny_server.url}/health").json() == {"status": "ok"}
+    chat(client, "hi", max_tokens=4)
+    m = tiny_server.wait_idle()
+    for name in ("tokens_per_second", "tau", "live_slots", "queue_depth", "budget", "requests_total"):
+        assert name in m, name
+    assert m["budget"] == TINY_ENGINE["budget"] and m["tokens_per_second"] > 0
+    r = httpx.get(f"{tiny_server.url}/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+@pytest.mark.parametrize("seed", [7, 2**63 - 1])
+def test_same_seed_same_sample(tiny_server, seed):
+    client = tiny_server.client()
+    answers = [client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,
+                                              top_p=0.9, seed=seed, extra_body={"top_k": 20}
+                                              ).choices[0].message.content for _ in range(2)]
+    assert answers[0] == answers[1] and len(answers[0]) > 0
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+
+def test_cli_bad_settings_are_one_error_line(capsys):
+    from jetspec_jax.serve.__main__ import main
+
+    assert main(["--slots", "0", "--port", "70000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "--slots" in err and "--port" in err
+
+
+def test_cli_serves_and_exits_cleanly_on_sigterm(tiny):
+    """The real command line on the tiny model (no head ships for it: token by token): it answers,
+    and SIGTERM stops it with status 0."""
+    target, _ = tiny
+    proc = subprocess.Popen([sys.executable, "-m", "jetspec_jax.serve", "--model", target.source, "--port", "0",
+                             "--served-model-name", MODEL, "--slots", "2", "--max-len", "128", "--dtype", "float32",
+                             "--no-warmup", "--no-cache", "--shutdown-timeout", "5"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        deadline, url, log = time.monotonic() + REQUEST_TIMEOUT, None, []
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            with contextlib.suppress(queue.Empty):
+                log.append(lines.get(timeout=1))
+                found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log[-1])
+                url = found and found[1]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT)
+        r = chat(client, "hi", max_tokens=1)  # the first token comes from admission alone
+        assert r.usage.completion_tokens == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
