@@ -30,8 +30,7 @@ def assert_same_target(a, b):
     for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-    assert tok_a.backend_tokenizer.to_str() == tok_b.backend_tokenizer.to_str()
-    assert tok_a.special_tokens_map == tok_b.special_tokens_map
+    assert tok_a.to_json() == tok_b.to_json()  # vocabulary, merges, special tokens and chat template
     messages = [{"role": "user", "content": "What is 7 times 8? é 日本 <|im_end|>"}]
     assert (tok_a.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
             == tok_b.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
@@ -132,5 +131,6 @@ def test_a_second_process_takes_its_programs_from_the_compilation_cache(tiny_ggu
     written = entries(tmp_path / "xla", "-cache")
     assert len(written) == first["misses"] and entries(tmp_path / "weights", "-float32.safetensors")
     second = run()
-    assert second == {"status": 0, "hits": first["misses"], "misses": 0}  # every program, none compiled
+    # nothing compiled; fewer programs run, as the weights now come from the weights cache, not converted
+    assert second["status"] == 0 and second["misses"] == 0 and 0 < second["hits"] <= first["misses"]
     assert entries(tmp_path / "xla", "-cache") == written

@@ -34,6 +34,9 @@ def test_same_chat_template_and_special_tokens(tokenizers):
     ours, theirs = tokenizers
     messages = [{"role": "user", "content": "What is 7 times 8?"}]
     kwargs = dict(tokenize=True, add_generation_prompt=True, enable_thinking=False)
-    assert ours.apply_chat_template(messages, **kwargs) == theirs.apply_chat_template(messages, **kwargs)
+    assert ours.apply_chat_template(messages, **kwargs)["input_ids"] == \
+        theirs.apply_chat_template(messages, **kwargs)["input_ids"]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert (ours.eos_token, ours.bos_token, ours.eos_token_id) == (theirs.eos_token, theirs.bos_token,
                                                                   theirs.eos_token_id)
