@@ -129,3 +129,21 @@ def gpu_microseconds(many, iters: int, kernel_name: str = "tree_attention") -> d
             others[name] += d / 1e3 / iters
     out["other_kernels_us"] = dict(others.most_common(4))  # what else a call runs (layout copies, merges)
     return out
+
+
+def target_and_head(model: str | None, head_dir: str | None, method: str):
+    """The target (default: the embedded model) and a head for `method` (default: the one shipped for it)."""
+    from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path
+    from jetspec_jax.target import load_target
+
+    target = load_target(model)
+    head = load_head(head_dir or packaged_head_path(target, method), target.params["embed"].dtype, target=target)
+    return target, head
+
+
+def math_and_chat_prompts(data_dir: str | None) -> list[str]:
+    """MATH-500 and MT-Bench prompts taken in turn: the serving benchmarks' mix of long and short answers."""
+    from jetspec_jax.eval.datasets import load_benchmark
+
+    math, chat = ([item.prompt for item in load_benchmark(name, data_dir)] for name in ("math500", "mt_bench"))
+    return [p for pair in zip(math, chat) for p in pair]

@@ -24,12 +24,10 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, write_json_atomic  # noqa: E402
+from common import (environment, math_and_chat_prompts, print_table, target_and_head,  # noqa: E402
+                    write_json_atomic)
 
 from jetspec_jax import cache  # noqa: E402
-from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
-from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
-from jetspec_jax.target import load_target  # noqa: E402
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
 
 
@@ -135,12 +133,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cache.configure(args.cache_dir, enabled=not args.no_cache)
 
-    target = load_target(args.model)
-    head = load_head(args.head or packaged_head_path(target, args.method), target.params["embed"].dtype,
-                     target=target)
-    math = [i.prompt for i in load_benchmark("math500", args.data_dir)]
-    chat = [i.prompt for i in load_benchmark("mt_bench", args.data_dir)]
-    prompts = [p for pair in zip(math, chat) for p in pair]
+    target, head = target_and_head(args.model, args.head, args.method)
+    prompts = math_and_chat_prompts(args.data_dir)
 
     rows = []
     for variant in args.variants:

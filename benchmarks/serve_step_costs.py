@@ -22,12 +22,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, eval_prompt_ids, print_table, write_json_atomic  # noqa: E402
+from common import (environment, math_and_chat_prompts, print_table, target_and_head,  # noqa: E402
+                    write_json_atomic)
 
 from jetspec_jax import cache  # noqa: E402
-from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
+from jetspec_jax.generate import encode_prompts  # noqa: E402
 from jetspec_jax.serve.engine import Engine, EngineRequest, FinishEvent  # noqa: E402
-from jetspec_jax.target import load_target  # noqa: E402
 from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
 
 
@@ -84,12 +84,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cache.configure(args.cache_dir, enabled=not args.no_cache)
 
-    target = load_target(args.model)
-    head = load_head(args.head or packaged_head_path(target, args.method), target.params["embed"].dtype,
-                     target=target)
-    ids = eval_prompt_ids(target.tokenizer, ["math500", "mt_bench"], args.data_dir)
-    math, chat = ([v for (b, _), v in ids.items() if b == name] for name in ("math500", "mt_bench"))
-    prompts = [p for pair in zip(math, chat) for p in pair if len(p) + args.new_tokens + 256 <= args.max_len]
+    target, head = target_and_head(args.model, args.head, args.method)
+    prompts = [p for p in encode_prompts(target.tokenizer, math_and_chat_prompts(args.data_dir))
+               if len(p) + args.new_tokens + 256 <= args.max_len]
 
     rows = []
     for batch in args.batches:
