@@ -10,7 +10,7 @@ from typing import Any
 
 from jetspec_jax.generate import random_head
 from jetspec_jax.loading.head_checkpoint import (check_head_target, file_sha256, load_head, no_head_message,
-                                                 packaged_head_path, read_head_record, verify_head_files)
+                                                 packaged_head_path, verify_head_files)
 from jetspec_jax.models import draft_head
 from jetspec_jax.fingerprint import TargetIdentity
 from jetspec_jax.target import Target
@@ -41,9 +41,11 @@ class HeadSource:
         return load_head(self.path, target.params["embed"].dtype, target=target)
 
 
-def head_from_dir(role: str, path: str) -> HeadSource:
-    """Checks the head's files (not loading the weights) and that the head's attention suits the role."""
+def head_from_dir(role: str, path: str, target: Target | TargetIdentity) -> HeadSource:
+    """Checks the head's files (not loading the weights), that it was trained for `target` and that its
+    attention suits the role."""
     record = verify_head_files(path)
+    check_head_target(record, target)
     cfg = record.cfg
     if isinstance(cfg.attention, str) and cfg.attention != ATTENTION_OF_ROLE[role]:
         raise ValueError(f"the {role} head at {path} has {cfg.attention} attention; that role needs a "
@@ -51,28 +53,21 @@ def head_from_dir(role: str, path: str) -> HeadSource:
     return HeadSource(role, path, record.weights_sha256 or file_sha256(record.weights_path), cfg.block_size)
 
 
-def explicit_heads(head_dirs: dict[str, str]) -> dict[str, HeadSource]:
-    """The `--heads ROLE=DIR` heads, checked before the target loads."""
+def resolve_heads(methods, head_dirs: dict[str, str], target: Target | TargetIdentity,
+                  allow_untrained: bool) -> dict[str, HeadSource]:
+    """role -> head for the roles `methods` need: the `--heads ROLE=DIR` ones, else those shipped for this
+    target (matched by its fingerprint). Methods without a head are left out, with a warning."""
     unknown = sorted(set(head_dirs) - set(ATTENTION_OF_ROLE))
     if unknown:
         raise ValueError(f"unknown head role(s) {unknown}; use {' or '.join(ATTENTION_OF_ROLE)}")
-    return {role: head_from_dir(role, path) for role, path in head_dirs.items()}
-
-
-def resolve_heads(methods, head_dirs: dict[str, str], target: Target | TargetIdentity,
-                  allow_untrained: bool) -> dict[str, HeadSource]:
-    """role -> head for the roles `methods` need: the explicit ones, else those shipped for this target
-    (matched by its fingerprint). Methods without a head are left out, with a warning."""
-    heads = explicit_heads(head_dirs)
-    for head in heads.values():
-        check_head_target(read_head_record(head.path), target)
+    heads = {role: head_from_dir(role, path, target) for role, path in head_dirs.items()}
     for method in methods:
         role = ROLE_OF_METHOD.get(method)
         if role is None or role in heads:
             continue
         packaged = packaged_head_path(target, method)
         if packaged:
-            heads[role] = head_from_dir(role, packaged)
+            heads[role] = head_from_dir(role, packaged, target)
         elif allow_untrained:
             log.warning("no %s head: %s runs with an untrained head (exact output, tau ~ 1)", role, method)
             heads[role] = HeadSource(role, None, None, UNTRAINED_BLOCK_SIZE)

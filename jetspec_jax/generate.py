@@ -284,6 +284,15 @@ def resolve_method_and_head(args, target: Target):
     return method, random_head(target, attention, args.seed)
 
 
+def load_for_cli(args) -> tuple[Target, str, tuple | None]:
+    """(target, method, head) from a command line's --model, --dtype, --method and --head; a damaged
+    --head fails before the target loads. Shared by generate and serve."""
+    if args.head:
+        verify_head_files(args.head)
+    target = load_target(args.model, dtype=args.dtype)
+    return (target, *resolve_method_and_head(args, target))
+
+
 def check_cli_settings(args) -> None:
     """The command line's numbers, all checked before the target loads."""
     problems = [] if args.max_new_tokens >= 1 else [f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"]
@@ -305,11 +314,8 @@ def generate_command(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_cli_settings(args)
     cache.configure(args.cache_dir, enabled=not args.no_cache)
-    if args.head:
-        verify_head_files(args.head)  # a damaged head fails before the target loads
     t0 = time.perf_counter()
-    target = load_target(args.model, dtype=args.dtype)
-    method, head = resolve_method_and_head(args, target)
+    target, method, head = load_for_cli(args)
     load_s = time.perf_counter() - t0
     result = generate(args.prompts, target, method=method, head=head,
                       budget=args.budget, width=args.width, max_depth=args.max_depth,

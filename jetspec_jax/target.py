@@ -35,7 +35,7 @@ TARGET_ENV_VARS = ("JETSPEC_TARGET", "JETSPEC_GGUF")
 class Target:
     cfg: qwen3.Config
     params: Any
-    tokenizer: Any  # a transformers tokenizer, or None for checkpoints without one
+    tokenizer: Any  # gguf_tokenizer.ChatTokenizer, a transformers tokenizer (HF dirs), or None
     source: str
 
     @functools.cached_property

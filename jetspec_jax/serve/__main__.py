@@ -15,10 +15,8 @@ from typing import Sequence
 
 from jetspec_jax import cache
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
-from jetspec_jax.generate import resolve_method_and_head
-from jetspec_jax.loading.head_checkpoint import verify_head_files
+from jetspec_jax.generate import load_for_cli
 from jetspec_jax.speculative import METHODS
-from jetspec_jax.target import load_target
 
 
 def budget_arg(value: str) -> int | str:
@@ -103,12 +101,9 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_cli_settings(args)
     cache.configure(args.cache_dir, enabled=not args.no_cache)
-    if args.head:
-        verify_head_files(args.head)  # a damaged head fails before the target loads
-    target = load_target(args.model, dtype=args.dtype)
+    target, method, head = load_for_cli(args)
     if target.tokenizer is None:
         raise InputError(f"{target.source} has no tokenizer; the server needs one to read and write text")
-    method, head = resolve_method_and_head(args, target)
     engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len, budget=args.budget,
                     width=args.width, chunk_steps=args.chunk_steps, max_queue=args.max_queue,
                     cost_table=args.cost_table, min_batch=args.min_batch).start()
