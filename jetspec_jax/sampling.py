@@ -103,3 +103,35 @@ def select_tokens_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling) ->
         return jnp.where((rows.temperature > 0)[expand], sampled.astype(jnp.int32), greedy)
 
     return lax.cond(jnp.any(rows.temperature > 0), sample, lambda _: greedy, logits)
+
+
+def sample_rows_inverse_cdf(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
+                            block: int = 128) -> jax.Array:
+    """logits (B, V), one key and temperature per row (B,) -> tokens (B,) int32: argmax where the
+    temperature is 0, else a draw from softmax(logits / temperature) by inverting its CDF with one
+    uniform per row (`select_tokens_rows` draws V Gumbel numbers per row: the cost of large-batch
+    sampling). The CDF is searched in two levels, blocks of `block` tokens then within one block,
+    so no scan runs over the whole vocabulary."""
+    b, v = logits.shape
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample(logits):
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = logits.astype(jnp.float32) / t
+        probs = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # unnormalised: u scales instead
+        padded = -(-v // block) * block
+        probs = jnp.pad(probs, ((0, 0), (0, padded - v))).reshape(b, padded // block, block)
+        block_mass = jnp.sum(probs, axis=-1)  # (B, nb)
+        block_cdf = jnp.cumsum(block_mass, axis=-1)
+        u = jax.vmap(jax.random.uniform)(keys) * block_cdf[:, -1]
+        chosen = jnp.minimum(jnp.sum(block_cdf <= u[:, None], axis=-1), padded // block - 1)
+        before = jnp.take_along_axis(block_cdf - block_mass, chosen[:, None], axis=1)[:, 0]
+        within = jnp.take_along_axis(probs, chosen[:, None, None], axis=1)[:, 0]  # (B, block)
+        offset = jnp.sum(jnp.cumsum(within, axis=-1) <= (u - before)[:, None], axis=-1)
+        token = chosen * block + jnp.minimum(offset, block - 1)
+        # rounding can land on a padded or zero-probability slot: fall back to the argmax there
+        token = jnp.where((token < v) & (jnp.take_along_axis(probs.reshape(b, -1), token[:, None], 1)[:, 0] > 0),
+                          token, greedy)
+        return jnp.where(temperature > 0, token.astype(jnp.int32), greedy)
+
+    return lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, logits)

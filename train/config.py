@@ -19,22 +19,40 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data"))
 
 
+def _all_sources() -> dict:
+    from .mixture import SOURCES
+
+    return {name: -1 for name in SOURCES}
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     data_dir: str = DEFAULT_DATA_DIR
-    # prompts per training source (0 = none, -1 = all); eval splits are never read
-    sources: dict = dataclasses.field(default_factory=lambda: {"gsm8k": -1, "math": -1, "mbpp": -1,
-                                                               "chat": -1})
+    # prompts per training source (0 = none, -1 = all; train/mixture.py lists them); eval splits and the
+    # held-out slice are never read for training
+    sources: dict = dataclasses.field(default_factory=_all_sources)
+    # training draws a source's answers at weight x its share of the data (1 = as regenerated, 0 = never);
+    # a key is a source or a kind (math, code, chat, instruction, long_context, translation, stem_qa)
+    mixture: dict = dataclasses.field(default_factory=dict)
     regen_dir: str = "runs/regen"
-    max_new_tokens: int = 512
-    temperature: float = 0.0
+    # one answer per listed temperature for every prompt (0 = greedy), each seeded by prompt and number
+    answer_temperatures: list = dataclasses.field(default_factory=lambda: [0.0])
     top_p: float = 1.0
-    samples_per_prompt: int = 1  # answers per training prompt; > 1 needs temperature > 0 (more, varied data)
-    regen_batch_size: int = 64
-    max_prompt_tokens: int = 512
-    seq_len: int = 768  # prompt + completion, truncated/padded to this
-    anchors_per_seq: int = 32
-    heldout_fraction: float = 0.02
+    max_prompt_tokens: int = 4096  # longer prompts are skipped (counted in the manifest)
+    max_new_tokens: int = 512  # every answer may run this long
+    max_answer_tokens: int = 512  # an unfinished answer goes on up to this where its slot's cache rows allow
+    regen_batch_size: int = 256  # sequences decoding at once (fewer for long prompts: regen_cache_tokens)
+    regen_cache_tokens: int = 1 << 20  # cache rows over all decoding sequences, which bounds their memory
+    regen_chunk_steps: int = 32  # decode steps per device call; finished rows are refilled between calls
+    regen_shard_answers: int = 4096  # answers per shard file
+    regen_max_minutes: float = 0.0  # > 0: stop regenerating cleanly after this long (resume later)
+    # Training rows: an answer (prompt + completion, whole) is padded to the smallest of these lengths
+    # that holds it; one batch holds rows of one length. Beyond the largest, the prompt's start is cut
+    # (train/data.py, fit_to_row). [640] is the shipped heads' fixed layout.
+    length_buckets: list = dataclasses.field(default_factory=lambda: [512, 1024, 2048, 4608])
+    # anchors per row = round(this x bucket length / 1000): every step draws about the same number of
+    # anchors (this x optim.tokens_per_batch / 1000), whichever bucket it is (75 = 48 per 640-token row)
+    anchors_per_1k_tokens: float = 75.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +78,9 @@ class OptimConfig:
     total_steps: int = 2000
     weight_decay: float = 0.01
     clip_norm: float = 1.0
-    batch_size: int = 16  # sequences per step, over all devices
+    # tokens per step over all devices, pad included: a batch of bucket length L has tokens_per_batch // L
+    # rows, which must split evenly over the data-parallel devices
+    tokens_per_batch: int = 16384
     b1: float = 0.9
     b2: float = 0.95
 
@@ -75,7 +95,7 @@ class RunConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     eval_every: int = 200
-    eval_sequences: int = 64
+    eval_answers_per_kind: int = 64  # held-out answers measured per kind of prompt (0: no held-out eval)
     log_every: int = 10
     mesh_model: int = 1  # devices along the parameter-sharding axis; the rest is data parallel
     export_head: str = ""  # where to write the final head (draft_config.json + head.safetensors)
@@ -92,15 +112,29 @@ class TrainConfig:
     run: RunConfig = RunConfig()
 
     def fingerprint(self) -> str:
-        """Hash of everything that shapes the model and the data order (not paths or bookkeeping)."""
+        """Hash of the training settings that shape the model and the data order (not paths, nor how the
+        corpus was produced: checkpoints record the corpus itself, `corpus_fingerprint` in trainer.py)."""
         shape = {k: v for k, v in dataclasses.asdict(self).items() if k != "run"}
-        shape["data"] = {k: v for k, v in shape["data"].items() if k not in ("data_dir", "regen_dir")}
+        shape["data"] = {k: v for k, v in shape["data"].items()
+                         if k not in ("data_dir", "regen_dir") and not k.startswith("regen_")}
         shape["seed"] = self.run.seed
         shape["compute_dtype"] = self.run.compute_dtype
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def buckets(self) -> tuple["Bucket", ...]:
+        """The training rows' shapes, one per `data.length_buckets` entry."""
+        return tuple(Bucket(length, self.optim.tokens_per_batch // length,
+                            max(1, round(self.data.anchors_per_1k_tokens * length / 1000)))
+                     for length in self.data.length_buckets)
+
+
+class Bucket(typing.NamedTuple):
+    length: int  # tokens per row, pad included
+    rows: int  # rows per batch over all devices: optim.tokens_per_batch // length
+    anchors: int  # anchors per row: data.anchors_per_1k_tokens x length / 1000, rounded
 
 
 SECTIONS = {"data": DataConfig, "head": HeadConfig, "loss": LossConfig, "optim": OptimConfig, "run": RunConfig}
@@ -119,19 +153,21 @@ _FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
 _NOT_EMPTY = (lambda v: bool(v.strip()), "a non-empty string")
 # section.key -> (check, what the value must be); unlisted keys take any value of their type.
 LIMITS = {
-    "data.max_new_tokens": _at_least(1), "data.temperature": _at_least(0),
-    "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "data.samples_per_prompt": _at_least(1),
-    "data.regen_batch_size": _at_least(1), "data.max_prompt_tokens": _at_least(1), "data.seq_len": _at_least(2),
-    "data.anchors_per_seq": _at_least(1), "data.heldout_fraction": _FRACTION, "data.regen_dir": _NOT_EMPTY,
+    "data.max_new_tokens": _at_least(1), "data.max_answer_tokens": _at_least(1),
+    "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "data.regen_cache_tokens": _at_least(64),
+    "data.regen_batch_size": _at_least(1), "data.max_prompt_tokens": _at_least(1),
+    "data.regen_chunk_steps": _at_least(1), "data.regen_shard_answers": _at_least(1),
+    "data.regen_max_minutes": _at_least(0),
+    "data.anchors_per_1k_tokens": _POSITIVE, "data.regen_dir": _NOT_EMPTY,
     "head.num_layers": _at_least(1), "head.block_size": _at_least(2), "head.num_taps": _at_least(1),
     "head.attention": _one_of("causal", "bidirectional"), "head.intermediate_size": _at_least(0),
     "loss.kind": _one_of("fkl", "ce", "rkl"), "loss.temperature": _POSITIVE, "loss.gamma": _at_least(0),
     "optim.learning_rate": _POSITIVE, "optim.warmup_steps": _at_least(0), "optim.total_steps": _at_least(1),
-    "optim.weight_decay": _at_least(0), "optim.clip_norm": _POSITIVE, "optim.batch_size": _at_least(1),
+    "optim.weight_decay": _at_least(0), "optim.clip_norm": _POSITIVE, "optim.tokens_per_batch": _at_least(2),
     "optim.b1": _FRACTION, "optim.b2": _FRACTION,
     "run.name": _NOT_EMPTY, "run.out_dir": _NOT_EMPTY, "run.compute_dtype": _one_of("float32", "bfloat16"),
     "run.checkpoint_every": _at_least(1), "run.keep_checkpoints": _at_least(1), "run.eval_every": _at_least(1),
-    "run.eval_sequences": _at_least(0), "run.log_every": _at_least(1), "run.mesh_model": _at_least(1),
+    "run.eval_answers_per_kind": _at_least(0), "run.log_every": _at_least(1), "run.mesh_model": _at_least(1),
     "run.max_minutes": _at_least(0), "run.max_steps": _at_least(0),
 }
 
@@ -157,13 +193,85 @@ def _coerce(cls, section: str, key: str, value: Any) -> tuple[Any, str | None]:
     return value, None
 
 
-def _sources_problems(sources: dict) -> list[str]:
-    from .regenerate import TRAINING_SOURCES  # here: regenerate imports this module
+# Training settings that length buckets replaced: a config or override naming one is told what took its place.
+REPLACED = {
+    "data.seq_len": "data.length_buckets, a list of row lengths ([640] is the old fixed layout)",
+    "data.anchors_per_seq": "data.anchors_per_1k_tokens (48 anchors per 640-token row is 75)",
+    "optim.batch_size": "optim.tokens_per_batch, rows x row length (32 rows of 640 tokens is 20480)",
+    "run.eval_sequences": "run.eval_answers_per_kind",
+}
 
-    problems = [f"data.sources has unknown source {name!r} (known: {', '.join(TRAINING_SOURCES)})"
-                for name in sources if name not in TRAINING_SOURCES]
-    return problems + [f"data.sources.{name} must be an int >= -1 (-1 = all, 0 = none), got {n!r}"
-                       for name, n in sources.items() if not isinstance(n, int) or isinstance(n, bool) or n < -1]
+
+def _layout_problems(cfg: TrainConfig) -> list[str]:
+    """Length buckets, token budget and anchors fit together (devices are checked by check_data_parallel)."""
+    buckets = cfg.data.length_buckets
+    if not buckets or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in buckets) or any(
+            a >= b for a, b in zip(buckets, buckets[1:])):
+        return [f"data.length_buckets must be a non-empty list of increasing row lengths >= 2 (e.g. "
+                f"[512, 1024, 2048, 4608]), got {buckets!r}"]
+    problems = []
+    if cfg.optim.tokens_per_batch < buckets[-1]:
+        problems.append(f"optim.tokens_per_batch={cfg.optim.tokens_per_batch} holds no row of the largest bucket "
+                        f"({buckets[-1]} tokens); raise it to at least {buckets[-1]} (a multiple of {buckets[-1]} "
+                        "x the data-parallel devices keeps every bucket's rows splitting evenly)")
+    too_many = [f"{b.anchors} in {b.length}" for b in cfg.buckets() if b.anchors >= b.length]
+    if too_many:
+        problems.append(f"data.anchors_per_1k_tokens={cfg.data.anchors_per_1k_tokens} asks for more anchors per "
+                        f"row than the row has positions ({', '.join(too_many)}); lower it")
+    return problems
+
+
+def check_data_parallel(cfg: TrainConfig, data_parallel: int, processes: int = 1) -> None:
+    """Every bucket's rows split evenly over the data-parallel devices and the processes feeding them;
+    else one InputError naming a `optim.tokens_per_batch` that works."""
+    split = math.lcm(data_parallel, processes)
+    buckets = cfg.buckets()
+    if all(b.rows % split == 0 for b in buckets):
+        return
+    rows = ", ".join(f"{b.rows} of {b.length}" for b in buckets)
+    raise InputError(
+        f"optim.tokens_per_batch={cfg.optim.tokens_per_batch} gives rows of {rows} tokens; every bucket's rows must "
+        f"split evenly over the {data_parallel} data-parallel devices and {processes} processes: use "
+        f"optim.tokens_per_batch={even_tokens_per_batch(cfg.data.length_buckets, cfg.optim.tokens_per_batch, split)}"
+        f", or length buckets that divide tokens_per_batch / {split}")
+
+
+def even_tokens_per_batch(lengths: list[int], tokens: int, split: int) -> int:
+    """The smallest budget >= tokens whose rows (budget // length) are multiples of `split` for every length.
+    It is `tokens` itself or the start of one bucket's run of good budgets (a multiple of split x length)."""
+    def good(t):
+        return all((t // n) % split == 0 and t >= n for n in lengths)
+
+    lcm_budget = split * math.lcm(*lengths) * max(1, math.ceil(tokens / (split * math.lcm(*lengths))))
+    candidates = {tokens} | {m * split * n for n in lengths
+                             for m in range(max(1, tokens // (split * n)), tokens // (split * n) + 10_000)}
+    return min([t for t in candidates if t >= tokens and good(t)] + [lcm_budget])
+
+
+def _data_problems(fields: dict) -> list[str]:
+    from .mixture import KINDS, SOURCES
+
+    problems = []
+    sources = fields.get("sources", {})
+    if isinstance(sources, dict):
+        problems += [f"data.sources has unknown source {name!r} (known: {', '.join(SOURCES)})"
+                     for name in sources if name not in SOURCES]
+        problems += [f"data.sources.{name} must be an int >= -1 (-1 = all, 0 = none), got {n!r}"
+                     for name, n in sources.items() if not isinstance(n, int) or isinstance(n, bool) or n < -1]
+    mixture = fields.get("mixture", {})
+    if isinstance(mixture, dict):
+        problems += [f"data.mixture has unknown key {name!r} (a source: {', '.join(SOURCES)}; or a kind: "
+                     f"{', '.join(KINDS)})" for name in mixture if name not in SOURCES and name not in KINDS]
+        problems += [f"data.mixture.{name} must be a number >= 0, got {w!r}" for name, w in mixture.items()
+                     if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0]
+    temperatures = fields.get("answer_temperatures", [0.0])
+    if isinstance(temperatures, list) and (not temperatures or any(
+            isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf for t in temperatures)):
+        problems.append(f"data.answer_temperatures must be a non-empty list of numbers >= 0 (one answer per "
+                        f"temperature, 0 = greedy), got {temperatures!r}")
+    if isinstance(temperatures, list) and sum(t == 0 for t in temperatures) > 1:
+        problems.append("data.answer_temperatures lists 0 (greedy) more than once: greedy answers are all alike")
+    return problems
 
 
 def build_config(raw: dict[str, Any], where: str) -> TrainConfig:
@@ -178,7 +286,9 @@ def build_config(raw: dict[str, Any], where: str) -> TrainConfig:
             continue
         cls = SECTIONS[name]
         known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
+        replaced = sorted(k for k in set(values) - set(known) if f"{name}.{k}" in REPLACED)
+        problems += [f"{name}.{k} was replaced by {REPLACED[name + '.' + k]}" for k in replaced]
+        unknown = sorted(set(values) - set(known) - set(replaced))
         if unknown:
             problems.append(f"unknown key(s) {', '.join(name + '.' + k for k in unknown)}; [{name}] has "
                             f"{', '.join(known)}")
@@ -189,14 +299,13 @@ def build_config(raw: dict[str, Any], where: str) -> TrainConfig:
                 problems.append(problem)
             else:
                 fields[key] = value
-        if isinstance(fields.get("sources"), dict):
-            problems += _sources_problems(fields["sources"])
+        if name == "data":
+            problems += _data_problems(fields)
         sections[name] = cls(**fields)
     cfg = TrainConfig(**sections)
-    try:
-        check_samples_per_prompt(cfg.data.samples_per_prompt, cfg.data.temperature)
-    except ValueError as e:
-        problems.append(str(e))
+    if not any(p.startswith(("data.length_buckets", "optim.tokens_per_batch", "data.anchors_per_1k_tokens"))
+               for p in problems):
+        problems += _layout_problems(cfg)
     if problems:
         raise InputError(f"{where}: {'; '.join(problems)}")
     return cfg
@@ -239,12 +348,3 @@ def load_config(path: str, overrides: list[str] = ()) -> TrainConfig:
     if bad_overrides:
         raise InputError(f"{path}: {'; '.join(bad_overrides)}")
     return cfg
-
-
-def check_samples_per_prompt(samples_per_prompt: int, temperature: float) -> None:
-    """Shared by config loading (fails before the target loads) and regenerate()."""
-    if samples_per_prompt < 1:
-        raise ValueError(f"data.samples_per_prompt must be >= 1, got {samples_per_prompt}")
-    if samples_per_prompt > 1 and temperature == 0:
-        raise ValueError(f"data.samples_per_prompt={samples_per_prompt} needs a temperature > 0 (set "
-                         f"data.temperature > 0): greedy decoding gives the same answer every time")

@@ -363,7 +363,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret", "prefill")
 
 
 def block_attention_mask(lengths: jax.Array, block_len: int, max_len: int,
@@ -395,6 +395,14 @@ def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of a block over itself, q (B,T,H,hd), k/v (B,T,Hkv,hd): cuDNN's fused kernel
+    on GPU for bf16/f16 (memory linear in T), XLA's elsewhere."""
+    fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation="cudnn" if fused else "xla").astype(q.dtype)
 
 
 def project_qkv(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config):
@@ -516,7 +524,8 @@ def forward(
     jax.nn.dot_product_attention's cuDNN path; GPU, bf16/fp16 only), "pallas" / "pallas_interpret"
     (the tree attention kernel with a packed block mask; see kernels/tree_attention.py), or "mosaic" /
     "mosaic_interpret" (Hopper's Mosaic GPU kernel where it takes the call, trees of 64k nodes, and
-    the Triton one elsewhere).
+    the Triton one elsewhere), or "prefill" (the block attends causally to itself alone, for a
+    cache that is empty before it: fused attention with no (T, S) mask, cuDNN's on GPU in bf16).
     Returns (logits (B, T or K, V) fp32, taps or None, cache).
     """
     b, t = tokens.shape
@@ -533,7 +542,10 @@ def forward(
                             if attention_impl != "cudnn" else ""))
     x = params["embed"][tokens].astype(dtype)
     cos, sin = rope_tables(positions, rope_inverse_frequencies(cfg))
-    if attention_impl in ("xla", "cudnn"):
+    if attention_impl == "prefill":
+        if mask is not None:
+            raise ValueError("attention 'prefill' is causal over the block; it takes no mask")
+    elif attention_impl in ("xla", "cudnn"):
         attn_mask = block_attention_mask(cache.lengths, t, max_len, mask)
     else:
         block = jnp.tril(jnp.ones((t, t), bool))[None] if mask is None else mask
@@ -543,7 +555,9 @@ def forward(
         q, k, v = attention_inputs(x, layer, cfg, cos, sin)
         new_k[i] = write_block(new_k[i], k, cache.lengths)
         new_v[i] = write_block(new_v[i], v, cache.lengths)
-        if attention_impl == "xla":
+        if attention_impl == "prefill":
+            attn = causal_self_attention(q, k, v)
+        elif attention_impl == "xla":
             attn = attention_scores_softmax(q, new_k[i], new_v[i], attn_mask)
         elif attention_impl == "cudnn":
             attn = jax.nn.dot_product_attention(q, new_k[i], new_v[i], mask=attn_mask[:, None],

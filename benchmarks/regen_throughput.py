@@ -1,0 +1,155 @@
+"""Regeneration throughput: where a large-batch decode step goes, and the slot engine end to end on
+the training mixture against the static-batch generator in the same run.
+
+    python benchmarks/regen_throughput.py --per-source 300 --out benchmarks/results/regen_throughput_h200.json
+
+Step table: one decode step of the slot engine (regen_engine.decode_chunk, median per step over a
+chunk) at each (slots, cache rows), greedy and sampled, with the decode attention path and the
+sampler alone (Gumbel over the vocabulary vs one-uniform inverse CDF). End to end: `regenerate` on
+`--per-source` prompts of every training source (greedy + sampled answers), completion tokens/s per
+prompt bucket; the baseline is `generate_tokens` (one static batch that runs until its longest answer
+ends) on the shortest bucket's prompts at the same batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
+
+from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
+from jetspec_jax.generate import encode_prompts, pad_prompts, pad_token, plan_cache_len, stop_tokens  # noqa: E402
+from jetspec_jax.sampling import RowSampling, sample_rows_inverse_cdf, select_tokens_rows  # noqa: E402
+from jetspec_jax.target import load_target  # noqa: E402
+from jetspec_jax.train.config import DataConfig  # noqa: E402
+from jetspec_jax.train.corpus import Corpus  # noqa: E402
+from jetspec_jax.train.mixture import SOURCES  # noqa: E402
+from jetspec_jax.train.regen_engine import decode_chunk, new_slot_state  # noqa: E402
+from jetspec_jax.train.regenerate import load_regeneration_prompts, regenerate  # noqa: E402
+
+
+def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dict]:
+    out = []
+    eos, pad = stop_tokens(target), pad_token(target)
+    for slots, rows in zip(slots_list, rows_list):
+        for attention in attentions:
+            for temperature in (0.0, 1.0):
+                state = new_slot_state(target.cfg, slots, rows, target.params["embed"].dtype)
+                rng = np.random.default_rng(0)
+                lengths = rng.integers(rows // 4, rows - 2 * chunk, slots).astype(np.int32)
+                state = state._replace(cache=state.cache._replace(lengths=jnp.asarray(lengths)),
+                                       live=jnp.ones((slots,), bool), limit=jnp.full((slots,), 10**6, jnp.int32),
+                                       temperature=jnp.full((slots,), temperature, jnp.float32))
+                holder = [state]
+
+                def run():
+                    holder[0], toks = decode_chunk(target.params, holder[0], cfg=target.cfg, steps=chunk,
+                                                   eos_token_ids=(), pad_token_id=pad, top_p=1.0, attention=attention)
+                    # keep the lengths where they were, so every call times the same cache reads
+                    holder[0] = holder[0]._replace(cache=holder[0].cache._replace(lengths=jnp.asarray(lengths)))
+                    return toks
+
+                seconds = time_call(run, warmup=2, repeats=5)
+                out.append({"part": "decode step", "slots": slots, "cache_rows": rows, "attention": attention,
+                            "temperature": temperature, "mean_length": float(lengths.mean()),
+                            "step_ms": seconds / chunk * 1e3, "tokens_per_second": slots * chunk / seconds})
+                del holder, state
+        vocab = target.cfg.vocab_size
+        logits = jax.random.normal(jax.random.key(0), (slots, vocab), jnp.float32)
+        keys = jax.random.split(jax.random.key(1), slots)
+        temps = jnp.ones((slots,), jnp.float32)
+        gumbel = jax.jit(lambda l, k: select_tokens_rows(l, k, RowSampling(temps, jnp.zeros((slots,), jnp.int32),
+                                                                           jnp.ones((slots,), jnp.float32))))
+        cdf = jax.jit(lambda l, k: sample_rows_inverse_cdf(l, k, temps))
+        for name, fn in (("gumbel", gumbel), ("inverse_cdf", cdf)):
+            out.append({"part": f"sampler {name}", "slots": slots, "cache_rows": rows,
+                        "step_ms": time_call(lambda: fn(logits, keys), warmup=2, repeats=10) * 1e3})
+    return out
+
+
+def baseline_rows(target, prompt_ids: list[list[int]], batch: int, max_new: int) -> dict:
+    """The static-batch generator over the first `batch` prompts (greedy), completion tokens/s."""
+    gen = GenerationConfig(max_new_tokens=max_new, eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
+    ids = (prompt_ids * (-(-batch // len(prompt_ids))))[:batch]
+    tokens, lengths = pad_prompts(ids, gen.pad_token_id, 64)
+    cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new, target.cfg.max_position_embeddings)
+
+    def run():
+        return generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0),
+                               cfg=target.cfg, gen=gen, cache_len=cache_len)
+
+    jax.block_until_ready(run())
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run())
+    seconds = time.perf_counter() - t0
+    completion = int(np.asarray(out.num_tokens).sum())
+    return {"part": "static batch (generate_tokens)", "slots": batch, "answers": batch, "completion_tokens": completion,
+            "seconds": seconds, "tokens_per_second": completion / seconds,
+            "decode_steps": int(out.decode_steps)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--per-source", type=int, default=100, help="prompts per training source (end to end)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--cache-tokens", type=int, default=1 << 21)
+    p.add_argument("--chunk-steps", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument("--step-slots", type=int, nargs="*", default=[256, 1024, 2048, 128])
+    p.add_argument("--step-rows", type=int, nargs="*", default=[640, 640, 640, 4608])
+    p.add_argument("--attentions", nargs="+", default=["auto", "xla"])
+    p.add_argument("--skip-end-to-end", action="store_true")
+    p.add_argument("--keep-corpus", default=None, help="write the end-to-end corpus here instead of a temp dir")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    target = load_target(args.model, dtype=args.dtype)
+    rows = step_rows(target, args.step_slots, args.step_rows, 16, args.attentions) if args.step_slots else []
+    print_table(rows, ["part", "slots", "cache_rows", "attention", "temperature", "step_ms", "tokens_per_second"])
+    end_to_end = []
+    if not args.skip_end_to_end:
+        cfg = DataConfig(answer_temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
+                         max_answer_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                         regen_batch_size=args.batch_size, regen_cache_tokens=args.cache_tokens,
+                         regen_chunk_steps=args.chunk_steps, regen_shard_answers=1 << 14)
+        prompts = load_regeneration_prompts(args.data_dir, {name: args.per_source for name in SOURCES}, seed=0)
+        out_dir = args.keep_corpus or tempfile.mkdtemp(prefix="regen-bench-")
+        try:
+            manifest = regenerate(target, prompts, out_dir, cfg)
+            session = manifest["sessions"][-1]
+            for b in session["buckets"]:
+                end_to_end.append({"part": "slot engine", **b})
+            end_to_end.append({"part": "slot engine, all buckets", "answers": session["answers"],
+                               "completion_tokens": session["completion_tokens"], "seconds": session["seconds"],
+                               "tokens_per_second": session["tokens_per_second"]})
+            corpus = Corpus(out_dir)
+            shortest = [corpus.prompt_ids(i).tolist() for i in range(len(corpus.prompts))
+                        if len(corpus.prompt_ids(i)) <= 128]
+        finally:
+            if not args.keep_corpus:
+                shutil.rmtree(out_dir, ignore_errors=True)
+        end_to_end.append(baseline_rows(target, shortest, min(args.batch_size, 1024), args.max_new_tokens))
+        print_table(end_to_end, ["part", "prompt_width", "slots", "answers", "completion_tokens", "decode_steps",
+                                 "seconds", "tokens_per_second"])
+    if args.out:
+        write_json_atomic(args.out, {"environment": environment(), "args": vars(args), "steps": rows,
+                                     "end_to_end": end_to_end})
+
+
+if __name__ == "__main__":
+    main()
