@@ -14,6 +14,7 @@ ends) on the shortest bucket's prompts at the same batch size.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shutil
 import sys
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
+from common import environment, gpu_kernel_events, print_table, time_call, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
 from jetspec_jax.generate import encode_prompts, pad_prompts, pad_token, plan_cache_len, stop_tokens  # noqa: E402
@@ -77,6 +78,34 @@ def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dic
     return out
 
 
+def profile_rows(target, slots: int, rows: int, chunk: int, top: int = 15) -> list[dict]:
+    """GPU time per decode step by kernel (summed over the chunk's steps), from one profiled chunk."""
+    pad = pad_token(target)
+    state = new_slot_state(target.cfg, slots, rows, target.params["embed"].dtype)
+    lengths = np.random.default_rng(0).integers(rows // 4, rows - 2 * chunk, slots).astype(np.int32)
+    state = state._replace(cache=state.cache._replace(lengths=jnp.asarray(lengths)), live=jnp.ones((slots,), bool),
+                           limit=jnp.full((slots,), 10**6, jnp.int32), temperature=jnp.ones((slots,), jnp.float32))
+    holder = [state]
+
+    def run():
+        holder[0], toks = decode_chunk(target.params, holder[0], cfg=target.cfg, steps=chunk, eos_token_ids=(),
+                                       pad_token_id=pad, top_p=1.0, attention="auto")
+        holder[0] = holder[0]._replace(cache=holder[0].cache._replace(lengths=jnp.asarray(lengths)))
+        return toks
+
+    events, wall = gpu_kernel_events(run)
+    if events is None:
+        return []
+    by_name = collections.Counter()
+    for name, ns in events:
+        by_name[name] += ns / 1e3 / chunk
+    busy = sum(by_name.values())
+    out = [{"part": "profile total", "slots": slots, "cache_rows": rows, "gpu_us_per_step": busy,
+            "wall_us_per_step": wall / chunk * 1e6}]
+    return out + [{"part": "kernel", "kernel": name[:60], "gpu_us_per_step": us, "share": us / busy}
+                  for name, us in by_name.most_common(top)]
+
+
 def baseline_rows(target, prompt_ids: list[list[int]], batch: int, max_new: int) -> dict:
     """The static-batch generator over the first `batch` prompts (greedy), completion tokens/s."""
     gen = GenerationConfig(max_new_tokens=max_new, eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
@@ -107,12 +136,14 @@ def main() -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--cache-tokens", type=int, default=1 << 21)
-    p.add_argument("--chunk-steps", type=int, default=32)
+    p.add_argument("--chunk-steps", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--step-slots", type=int, nargs="*", default=[256, 1024, 2048, 128])
     p.add_argument("--step-rows", type=int, nargs="*", default=[640, 640, 640, 4608])
     p.add_argument("--attentions", nargs="+", default=["auto", "xla"])
+    p.add_argument("--profile", type=int, nargs=2, default=None, metavar=("SLOTS", "ROWS"),
+                   help="profile one decode chunk at this size: GPU time per step by kernel")
     p.add_argument("--skip-end-to-end", action="store_true")
     p.add_argument("--keep-corpus", default=None, help="write the end-to-end corpus here instead of a temp dir")
     p.add_argument("--out", default=None)
@@ -121,6 +152,9 @@ def main() -> None:
     target = load_target(args.model, dtype=args.dtype)
     rows = step_rows(target, args.step_slots, args.step_rows, 16, args.attentions) if args.step_slots else []
     print_table(rows, ["part", "slots", "cache_rows", "attention", "temperature", "step_ms", "tokens_per_second"])
+    profile = profile_rows(target, *args.profile, 16) if args.profile else []
+    if profile:
+        print_table(profile, ["part", "slots", "cache_rows", "kernel", "gpu_us_per_step", "wall_us_per_step", "share"])
     end_to_end = []
     if not args.skip_end_to_end:
         cfg = DataConfig(answer_temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
@@ -147,7 +181,7 @@ def main() -> None:
         print_table(end_to_end, ["part", "prompt_width", "slots", "answers", "completion_tokens", "decode_steps",
                                  "seconds", "tokens_per_second"])
     if args.out:
-        write_json_atomic(args.out, {"environment": environment(), "args": vars(args), "steps": rows,
+        write_json_atomic(args.out, {"environment": environment(), "args": vars(args), "steps": rows, "profile": profile,
                                      "end_to_end": end_to_end})
 
 

@@ -37,31 +37,32 @@ def train_command(argv=None) -> int:
     from jetspec_jax.target import load_target
 
     from .config import load_config
-    from .regenerate import load_training_prompts, read_shards, regenerate
-    from .trainer import check_batch_size, train
+    from .corpus import Corpus
+    from .regenerate import load_regeneration_prompts, regenerate
 
     # Every setting and input file is checked before the target loads or anything is generated.
     cfg = load_config(args.config, args.overrides)
     regen_dir = os.path.join(cfg.run.out_dir, cfg.data.regen_dir) if not os.path.isabs(
         cfg.data.regen_dir) else cfg.data.regen_dir
     if args.stage in ("all", "regenerate"):
-        sources = {name: (None if n < 0 else n) for name, n in cfg.data.sources.items() if n != 0}
-        prompts = load_training_prompts(cfg.data.data_dir, sources, cfg.run.seed)
-    records = read_shards(regen_dir) if args.stage == "train" else None
+        prompts = load_regeneration_prompts(cfg.data.data_dir, cfg.data.sources, cfg.run.seed)
+    corpus = Corpus(regen_dir) if args.stage == "train" else None
     maybe_initialize_distributed()
     mesh = None
     if args.stage in ("all", "train"):
+        from .trainer import check_batch_size, train  # grain and orbax: the regenerate stage needs neither
+
         mesh = sharding.make_mesh(cfg.run.mesh_model)
         check_batch_size(cfg, mesh)
     target = load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
     if args.stage in ("all", "regenerate"):
-        regenerate(target, prompts, regen_dir, max_new_tokens=cfg.data.max_new_tokens,
-                   temperature=cfg.data.temperature, top_p=cfg.data.top_p, top_k=0, seed=cfg.run.seed,
-                   batch_size=cfg.data.regen_batch_size, shard_size=1024,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens,
-                   samples_per_prompt=cfg.data.samples_per_prompt)
+        manifest = regenerate(target, prompts, regen_dir, cfg.data, seed=cfg.run.seed, config_name=args.config)
+        if not manifest["complete"]:
+            print(f"regeneration stopped at data.regen_max_minutes with {manifest['num_answers']} answers in "
+                  f"{regen_dir}; run the same command again to resume it", file=sys.stderr)
+            return 0
     if args.stage in ("all", "train"):
-        summary = train(cfg, target, read_shards(regen_dir) if records is None else records, mesh=mesh)
+        summary = train(cfg, target, Corpus(regen_dir) if corpus is None else corpus, mesh=mesh)
         print(json.dumps(summary, indent=2))
     return 0
 

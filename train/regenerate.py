@@ -147,7 +147,8 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
             continue
         rows = bucket_rows(width, cfg)
         slots = max(1, min(cfg.regen_batch_size, cfg.regen_cache_tokens // rows))
-        admit_rows = max(1, min(slots, max(slots // 8, 8), ADMIT_TOKENS // width))
+        # small groups keep few slots waiting for admission; each group is one prefill call
+        admit_rows = max(1, min(slots, max(slots // 32, 8), ADMIT_TOKENS // width))
         stats = run_bucket(target.params, target.cfg, jobs, prompt_ids, width=width, rows=rows, num_slots=slots,
                            admit_rows=admit_rows, chunk_steps=cfg.regen_chunk_steps, run_key=run_key,
                            eos_token_ids=eos, pad_token_id=pad, top_p=cfg.top_p, attention=attention,
