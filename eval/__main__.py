@@ -15,7 +15,7 @@ from jetspec_jax import cache
 from jetspec_jax.errors import OneLineErrorParser, run_command
 from jetspec_jax.generate import PROMPT_BUCKET
 from jetspec_jax.speculative import ATTENTION_IMPLS, GEMM_BACKENDS
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
+from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
 from .datasets import BENCHMARKS
 from .heads import ATTENTION_OF_ROLE
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     run = sub.add_parser("run", help="generate, time and score; appends to the results file")
     run.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), metavar="NAME",
-                     help=f"any of {', '.join(BENCHMARKS)} (default: all)")
+                     help=f"any of {', '.join(BENCHMARKS)} (default: all; the last four are held-out "
+                          "training-mixture prompts with no reference: tau, speedup and the lossless check)")
     run.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                      help=f"any of {', '.join(METHODS)} (default: all; ar always runs, as the baseline)")
     run.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS), metavar="B",
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "its head's block)")
     run.add_argument("--temperatures", nargs="+", type=float, default=[0.0], metavar="T",
                      help="0 = greedy (compared token by token with AR); 1 = sampling")
-    run.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
+    run.add_argument("--limit", type=int, default=None,
+                     help="first N prompts of each benchmark (the held-out ones come in a fixed mixed order)")
     run.add_argument("--max-new-tokens", type=int, default=512)
     run.add_argument("--width", type=int, default=7, help="candidates per depth for the tree methods")
     run.add_argument("--tree-temperature", type=float, default=1.0,
@@ -56,13 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gemm-backend", choices=list(GEMM_BACKENDS), default="xla",
                      help="GEMM library of the speculative methods on GPU (AR keeps XLA's): xla or cublas")
     run.add_argument("--prompt-bucket", type=int, default=PROMPT_BUCKET,
-                     help="pad prompts to a multiple of this; larger means fewer shapes to compile "
-                          "(prefill grows; decode time is reported apart)")
+                     help="pad each prompt to its own multiple of this; larger means fewer shapes to "
+                          "compile (prefill grows; decode time is reported apart); 512 for the long "
+                          "summarise and doc_qa prompts")
     run.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                      help="attention of AR decode steps and verify passes (auto: Pallas kernel on GPU)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--data-dir", default=None,
-                     help=f"folder with the benchmark files (default: {DEFAULT_DATA_DIR})")
+                     help=f"folder with the benchmark files and train_mix/ (default: {DEFAULT_DATA_DIR})")
     run.add_argument("--results", default=DEFAULT_RESULTS,
                      help="JSONL file to append to and resume from (default: eval/results/results.jsonl)")
     run.add_argument("--heads", nargs="+", action="extend", default=[], metavar="ROLE=DIR",

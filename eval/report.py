@@ -3,7 +3,6 @@ report.json and speedup/tau-vs-budget plots."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter, defaultdict
@@ -32,7 +31,9 @@ DEFINITIONS = """\
 - **speedup**: AR decode seconds per token / the method's, summed over the prompts both ran.
   **e2e speedup** is the same with prefill included (whole call, all generated tokens).
 - **accuracy**: GSM8K numeric, MATH-500 normalised LaTeX, AIME integer, HumanEval/MBPP pass@1 (tests run
-  in a sandboxed subprocess); MT-Bench has no reference. **= AR** (T=0): every prompt scored as AR's did.
+  in a sandboxed subprocess); MT-Bench and the held-out benchmarks (summarise, doc_qa, translate, open_qa)
+  have no reference ("-"). **= AR** (T=0): every prompt scored as AR's did.
+- **prompt tokens**: per benchmark, with the chat template, over the prompts that ran.
 - **mismatches (T=0)**: prompts whose tokens differ from AR's, out of those compared."""
 
 
@@ -99,6 +100,7 @@ def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
         scored = [r["correct"] for r in rows if r.get("correct") is not None]
         compared = [r["matches_ar"] for r in rows if r.get("matches_ar") is not None]
         forwards = sum(r["target_forwards"] or 0 for r in rows)
+        prompts = [r["prompt_tokens"] for r in rows if r.get("prompt_tokens") is not None]
         out.append({
             "benchmark": bench, "method": method, "budget": budget, "temperature": temp, "precision": prec,
             "n": len(rows),
@@ -107,9 +109,11 @@ def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
             "speedup": per_token_ratio(paired, "decode_seconds", decoded_tokens),
             "e2e_speedup": per_token_ratio(paired, "total_seconds", lambda r: r["num_generated"]),
             "mean_generated": sum(r["num_generated"] for r in rows) / len(rows),
+            "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
+            "max_prompt_tokens": max(prompts, default=None),
             "accuracy": sum(scored) / len(scored) if scored else None,
             "accuracy_same_as_ar": (all(r.get("correct") == a.get("correct") for r, a in paired)
-                                    if method != "ar" and temp == 0 and paired else None),
+                                    if method != "ar" and temp == 0 and paired and scored else None),
             "mismatches": compared.count(False) if compared else None, "compared": len(compared),
             "accept_histogram": accept_histogram(rows),
             "dtype": sorted({r["dtype"] for r in rows}),
@@ -186,8 +190,12 @@ def benchmark_tables(groups: list[dict]) -> list[str]:
     out = []
     for bench in dict.fromkeys(g["benchmark"] for g in groups):
         rows = [g for g in groups if g["benchmark"] == bench]
-        out += [f"### {bench}", "",
-                "| method | precision | T | n | tau | decode tok/s | speedup | e2e speedup | accuracy | = AR "
+        out += [f"### {bench}", ""]
+        sized = next((g for g in rows if g["mean_prompt_tokens"] is not None), None)
+        if sized:  # results files from before prompt_tokens was recorded have none
+            out += [f"Prompt tokens: mean {sized['mean_prompt_tokens']:.0f}, max {sized['max_prompt_tokens']} "
+                    f"({method_label(sized)}, n={sized['n']}).", ""]
+        out += ["| method | precision | T | n | tau | decode tok/s | speedup | e2e speedup | accuracy | = AR "
                 "| mismatches (T=0) |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in rows:
@@ -250,6 +258,26 @@ def lossless_lines(groups: list[dict]) -> list[str]:
     return out + [""]
 
 
+def failed_by_benchmark(errors: list[dict]) -> dict[str, list[dict]]:
+    by_benchmark = defaultdict(list)
+    for line in errors:
+        by_benchmark[line["benchmark"]].append(line)
+    return dict(by_benchmark)
+
+
+def failed_runs(errors: list[dict]) -> list[str]:
+    """Runs recorded with an `error` (a prompt too long for the target's positions): per benchmark,
+    how many, which prompts and one reason."""
+    if not errors:
+        return []
+    out = [f"{len(errors)} runs failed and are left out (see their `error` field):", ""]
+    for bench, rows in failed_by_benchmark(errors).items():
+        ids = list(dict.fromkeys(r["id"] for r in rows))
+        shown = ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+        out.append(f"- {bench}: {len(rows)} runs of {len(ids)} prompts ({shown}); e.g. {rows[0]['error']}")
+    return out + [""]
+
+
 def plot_vs_budget(groups: list[dict], field: str, ylabel: str, path: str) -> None:
     """One panel per benchmark, one colour per method, solid T=0 and dashed T>0; dflash is one point."""
     import matplotlib
@@ -305,8 +333,7 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
     errors = [line for line in lines if "error" in line]
     md = header(paths, metas, groups)
     md += ["## Definitions", "", DEFINITIONS, "", "## Lossless check", ""] + lossless_lines(groups)
-    if errors:
-        md += [f"{len(errors)} runs failed and are left out (see their `error` field).", ""]
+    md += failed_runs(errors)
     others = sorted({g["precision"] for g in groups} - {main})
     elsewhere = f"; {', '.join(others)} in the per-benchmark tables" if others else ""
     md += [f"## Summary: speedup/tau ({main}{elsewhere})", ""] + summary_table(headline) + ["", "## Per benchmark", ""]
@@ -317,6 +344,8 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write("\n".join(md))
     os.replace(tmp, md_path)
+    failed_prompts = {bench: list(dict.fromkeys(r["id"] for r in rows))
+                      for bench, rows in failed_by_benchmark(errors).items()}
     write_json_atomic(json_path, {"sources": paths, "runs": metas, "groups": groups,
-                                  "failed_runs": len(errors)})
+                                  "failed_runs": len(errors), "failed_prompts": failed_prompts})
     return [md_path, json_path] + [os.path.join(out_dir, name) for name, _ in plots.values()]

@@ -32,6 +32,7 @@ METHODS = ("ar", "dflash", "ddtree", "jetspec")
 DEFAULT_BUDGETS = (16, 32, 64, 128, 256)
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_RESULTS = os.path.join(RESULTS_DIR, "results.jsonl")
+NO_SCORE = Score(None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class EvalConfig:
     tree_temperature: float = 1.0  # the tree methods' scoring temperature (SpecConfig)
     gemm_backend: str = "xla"  # the speculative methods' GEMM library on GPU (SpecConfig); AR keeps XLA's
     attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
-    prompt_bucket: int = PROMPT_BUCKET  # prompts pad to a multiple of this: larger = fewer compilations
+    prompt_bucket: int = PROMPT_BUCKET  # each prompt pads to its own multiple of this: larger, fewer compiles
     seed: int = 0
     data_dir: str | None = None
     results: str = DEFAULT_RESULTS
@@ -122,10 +123,12 @@ def method_budgets(methods, budgets, heads: dict[str, HeadSource]) -> list[tuple
     return plan
 
 
-def plan_runs(config: EvalConfig, heads: dict[str, HeadSource]) -> list[RunSpec]:
+def plan_runs(config: EvalConfig, heads: dict[str, HeadSource],
+              items: dict[str, list[EvalItem]]) -> list[RunSpec]:
+    """Every run, benchmark by benchmark; `items` holds each benchmark's items (check_inputs)."""
     plan = method_budgets(config.methods, config.budgets, heads)
     return [RunSpec(item, method, budget, float(t))
-            for name in config.benchmarks for item in load_benchmark(name, config.data_dir, config.limit)
+            for name in config.benchmarks for item in items[name]
             for t in config.temperatures for method, budget in plan]
 
 
@@ -144,26 +147,49 @@ class Evaluator:
         self.prefill_seconds: dict[tuple, float] = {}  # (benchmark, id, method)
         self.scores: dict[tuple, Score] = {}  # (benchmark, id, text): identical outputs score once
         self.prefill_budget: dict[str, int | None] = {}  # each method's smallest budget
+        self.scratch: dict[tuple, int] = {}  # (method, budget) -> cache rows its draft tree needs
         for method, budget in method_budgets(config.methods, config.budgets, heads):
             self.prefill_budget.setdefault(method, budget)
+            self.scratch[(method, budget)] = self.scratch_rows(method, budget)
+        self.prompt_ids: dict[tuple, list[int]] = {}  # (benchmark, id) -> prompt tokens, chat template applied
+        self.skipped: set[tuple] = set()  # (benchmark, id) of prompts that do not fit, warned about once
         self.target_name = target.name
         self.dtype = str(target.params["embed"].dtype)
 
     def head(self, method: str):
         return None if method == "ar" else self.head_params[ROLE_OF_METHOD[method]]
 
-    def cache_len(self, prompt: str, method: str, budget: int | None) -> int:
-        """Cache rows sized by the padded prompt, not its exact length, so prompts of one bucket share
-        compiled programs; passed to the prefill-only call too, so both calls have the same shapes."""
-        ids = encode_prompts(self.target.tokenizer, [prompt])
-        width = pad_prompts(ids, 0, self.config.prompt_bucket)[0].shape[1]
-        extra = 0
-        if method != "ar":
-            depth = SpecConfig(method, budget, self.config.width).depth(self.head(method)[0].max_depth)
-            extra = speculative_cache_rows(budget, depth)
-        plan_cache_len(width, len(ids[0]), self.config.max_new_tokens,  # raises if it cannot fit
-                       self.target.cfg.max_position_embeddings, None, extra)
-        return -(-(width + self.config.max_new_tokens + extra) // 64) * 64
+    def scratch_rows(self, method: str, budget: int | None) -> int:
+        """Cache rows a step of the method writes past the committed tokens (its tree); 0 for AR."""
+        if method == "ar":
+            return 0
+        depth = SpecConfig(method, budget, self.config.width).depth(self.head(method)[0].max_depth)
+        return speculative_cache_rows(budget, depth)
+
+    def prompt_tokens(self, item: EvalItem) -> list[int]:
+        key = (item.benchmark, item.id)
+        if key not in self.prompt_ids:
+            self.prompt_ids[key] = encode_prompts(self.target.tokenizer, [item.prompt])[0]
+        return self.prompt_ids[key]
+
+    def does_not_fit(self, item: EvalItem) -> str | None:
+        """Why the prompt cannot run, or None. One rule for all its runs: the prompt, max_new_tokens and
+        the largest draft tree of this run's plan must fit the target's positions, so that every method
+        and budget is measured on the same prompts."""
+        try:
+            plan_cache_len(0, len(self.prompt_tokens(item)), self.config.max_new_tokens,
+                           self.target.cfg.max_position_embeddings, None, max(self.scratch.values()))
+        except ValueError as e:
+            return f"skipped for every method and budget of the run: {e}"
+        return None
+
+    def cache_len(self, item: EvalItem, method: str, budget: int | None) -> int:
+        """Cache rows for this prompt alone (batch 1): its own padded width, a multiple of prompt_bucket
+        (a long prompt never widens a short one), the new tokens and the method's tree, rounded up to 64.
+        Prompts of one bucket share compiled programs (at most max positions / prompt_bucket widths per
+        method and budget); the prefill-only call gets the same shapes."""
+        width = pad_prompts([self.prompt_tokens(item)], 0, self.config.prompt_bucket)[0].shape[1]
+        return -(-(width + self.config.max_new_tokens + self.scratch[(method, budget)]) // 64) * 64
 
     def timed_generate(self, prompt: str, method: str, budget: int | None, temperature: float,
                        max_new_tokens: int, cache_len: int):
@@ -186,13 +212,15 @@ class Evaluator:
         key = (spec.item.benchmark, spec.item.id, spec.method)
         if key not in self.prefill_seconds:
             budget = self.prefill_budget[spec.method]
-            cache_len = self.cache_len(spec.item.prompt, spec.method, budget)
+            cache_len = self.cache_len(spec.item, spec.method, budget)
             result = self.timed_generate(spec.item.prompt, spec.method, budget, spec.temperature,
                                          max_new_tokens=1, cache_len=cache_len)
             self.prefill_seconds[key] = result.generate_seconds
         return self.prefill_seconds[key]
 
     def score(self, item: EvalItem, text: str) -> Score:
+        if item.reference is None:  # nothing to score against (MT-Bench, the held-out benchmarks)
+            return NO_SCORE
         key = (item.benchmark, item.id, text)
         if key not in self.scores:
             self.scores[key] = score_completion(item, text, self.config.code_timeout)
@@ -213,11 +241,13 @@ class Evaluator:
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
                 "head": head.name if head else None,
                 "head_sha256": head.sha256 if head else None, "run": self.run_index}
-        try:
-            cache_len = self.cache_len(item.prompt, method, spec.budget)
-        except ValueError as e:  # the prompt and new tokens exceed the model's positions
-            log.warning("%s %s %s budget %s: %s", item.benchmark, item.id, method, spec.budget, e)
-            return {**line, "error": str(e)}
+        reason = self.does_not_fit(item)
+        if reason is not None:  # an error line for each of its runs: recorded, and resumes skip it
+            if (item.benchmark, item.id) not in self.skipped:
+                self.skipped.add((item.benchmark, item.id))
+                log.warning("%s %s: %s", item.benchmark, item.id, reason)
+            return {**line, "prompt_tokens": len(self.prompt_tokens(item)), "error": reason}
+        cache_len = self.cache_len(item, method, spec.budget)
         result = self.timed_generate(item.prompt, method, spec.budget, spec.temperature,
                                      config.max_new_tokens, cache_len)
         prefill = self.prefill_time(spec)
@@ -270,10 +300,10 @@ def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: st
             "attention": config.attention, "prompt_bucket": config.prompt_bucket}
 
 
-def check_inputs(config: EvalConfig) -> None:
-    """Reads every benchmark file the run needs and checks the results file can be written."""
-    for name in config.benchmarks:
-        load_benchmark(name, config.data_dir, config.limit)
+def check_inputs(config: EvalConfig) -> dict[str, list[EvalItem]]:
+    """Reads every benchmark the run needs (returns their items) and checks the results file can be
+    written."""
+    items = {name: load_benchmark(name, config.data_dir, config.limit) for name in config.benchmarks}
     results = os.path.abspath(config.results)
     if os.path.isdir(results):
         raise IsADirectoryError(f"--results {config.results} is a directory; name a .jsonl file")
@@ -284,12 +314,13 @@ def check_inputs(config: EvalConfig) -> None:
         raise PermissionError(f"cannot write the results file {results} ({folder} or the file is not "
                               "writable); pick another --results")
     read_meta(config.results)  # a damaged sidecar fails here, not after the model loads
+    return items
 
 
 def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> dict[str, int]:
     """Runs what the results file lacks; returns {"written", "skipped"}. Loads the target only when
     something is left to run (its shipped heads are found by the fingerprint read from its files)."""
-    check_inputs(config)  # first, so a bad --data-dir or benchmark file is one error line, no model loaded
+    items = check_inputs(config)  # first: a bad --data-dir or benchmark file is one error line, no model loaded
     identity = target.identity if target is not None else target_identity(config.model)
     heads = resolve_heads(config.methods, config.head_dirs, identity, config.allow_untrained)
     if "ar" not in config.methods:
@@ -299,7 +330,7 @@ def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> 
     settings = run_settings(config, identity.name, dtype, set_matmul_precision(config, dtype))
     head_ids = {role: h.sha256 or h.name for role, h in heads.items()}
     check_compatible(config.results, settings, head_ids)
-    specs = plan_runs(config, heads)
+    specs = plan_runs(config, heads, items)
     existing = read_lines(config.results)
     done = {line_key(line) for line in existing}
     todo = [s for s in specs if s.key not in done]

@@ -316,10 +316,12 @@ def test_train_stage_without_regenerated_data(tmp_path, capsys, no_target_load):
     assert "has no manifest.json" in line
     regen = tmp_path / "regen-tiny"
     regen.mkdir()
-    (regen / "manifest.json").write_text(json.dumps({"shards": ["shard-00000.jsonl"]}))
-    write_jsonl(regen / "shard-00000.jsonl", [json.dumps({"prompt_ids": [1], "completion_ids": [2]}), "{"])
+    (regen / "manifest.json").write_text(json.dumps({"shards": ["shard-00000.jsonl"]}))  # an older format
     line = error_line(capsys, train_main, ["--config", "tiny-cpu", "--stage", "train", f"run.out_dir={tmp_path}"])
-    assert f"{regen / 'shard-00000.jsonl'}:2: not valid JSON" in line and "regenerate" in line
+    assert f"{regen / 'manifest.json'}: not a jetspec-regenerated-v2 manifest" in line and "regenerate" in line
+    (regen / "manifest.json").write_text("{")
+    line = error_line(capsys, train_main, ["--config", "tiny-cpu", "--stage", "train", f"run.out_dir={tmp_path}"])
+    assert f"{regen / 'manifest.json'}: not valid JSON" in line
 
 
 # ---------------------------------------------------------------------------------------------

@@ -124,3 +124,26 @@ def test_two_gemm_backends_in_one_group_are_refused(tmp_path):
     write_lines(tmp_path / "r.jsonl", lines)
     with pytest.raises(ValueError, match=r"GEMM backends cublas, xla in one group \(gsm8k jetspec B=16"):
         write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "out"))
+
+
+def test_benchmarks_without_a_reference_report_speed_and_lossless_check(tmp_path):
+    """Held-out benchmarks score nothing: accuracy and = AR are "-", tau, speedup and mismatches stand;
+    the prompt lengths and the prompts too long to run are shown per benchmark."""
+    kw = dict(benchmark="summarise", correct=None)
+    lines = [{**line("ar", None, **kw), "prompt_tokens": 900},
+             {**line("jetspec", 64, decode=0.5, forwards=4, accepts=[0, 2, 2], matches=True, **kw),
+              "prompt_tokens": 900},
+             {**line("ar", None, id="1", **kw), "prompt_tokens": 7700, "error": "skipped for every method"},
+             line("ar", None), line("jetspec", 64, decode=0.5, forwards=5, accepts=[1, 4], matches=True)]
+    write_lines(tmp_path / "r.jsonl", lines)
+    paths = write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "out"))
+    groups = {(g["benchmark"], g["method"]): g for g in json.loads(open(paths[1]).read())["groups"]}
+    spec = groups[("summarise", "jetspec")]
+    assert spec["accuracy"] is None and spec["accuracy_same_as_ar"] is None and spec["tau"] == 2.5
+    assert spec["speedup"] == pytest.approx(2.0) and (spec["mismatches"], spec["compared"]) == (0, 1)
+    assert groups[("gsm8k", "jetspec")]["accuracy_same_as_ar"] is True
+    md = open(paths[0]).read()
+    assert "| jetspec B=64 | float32/highest | 0 | 1 | 2.50 | 20.0 | 2.00 | 1.00 | - | - | 0/1 |" in md
+    assert "| 0 | jetspec | 64 | 2.00/2.00 | 2.00/2.50 |" in md  # summary: gsm8k, then summarise
+    assert "Prompt tokens: mean 900, max 900 (ar, n=1)." in md
+    assert "- summarise: 1 runs of 1 prompts (1); e.g. skipped for every method" in md

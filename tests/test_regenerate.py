@@ -1,62 +1,101 @@
-"""Training-prompt loading and regeneration: caps, the MBPP train filter, shards that round-trip and
-match `generate` at temperature 0, resumption without rewriting, seeded sampling, and several sampled
-answers per prompt."""
+"""Training prompts and regeneration: the mixture's sources and held-out slice, the slot engine's answers
+(greedy equal to `generate`, sampled ones numbered and reproducible whatever the batch), long prompts
+in their own bucket, the corpus on disk, the time box and resume."""
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import json
 import os
 
+import numpy as np
 import pytest
 
+from jetspec_jax.errors import DamagedFileError, InputError
 from jetspec_jax.generate import generate
-from jetspec_jax.train.data import split_heldout
-from jetspec_jax.train.regenerate import (DEFAULT_DATA_DIR, MANIFEST_FILE, load_training_prompts, read_shards,
-                              regenerate)
+from jetspec_jax.train import regenerate as regen_module
+from jetspec_jax.train.config import DEFAULT_DATA_DIR, DataConfig
+from jetspec_jax.train.corpus import MANIFEST_FILE, PROMPT_META_FILE, PROMPTS_FILE, Corpus
+from jetspec_jax.train.mixture import SOURCES, TRAIN_MIX_FILES, is_heldout, load_prompts
+from jetspec_jax.train.regenerate import load_regeneration_prompts, prompt_buckets, regenerate
 
+LONG = "Summarise this passage in one sentence.\n\n" + " ".join(
+    f"Sentence {i} says that the river rose by {i} centimetres overnight." for i in range(14))
 PROMPTS = [
-    {"source": "gsm8k", "id": "0", "prompt": "What is 15 plus 27?"},
-    {"source": "chat", "id": "a", "prompt": "Say hello in French."},
-    {"source": "chat", "id": "b", "prompt": "Name three colors of the rainbow, one per line."},
-    {"source": "gsm8k", "id": "1", "prompt": "Tom has 3 apples and buys 4 more. How many does he have?"},
+    {"source": "gsm8k", "id": "0", "kind": "math", "prompt": "What is 15 plus 27?"},
+    {"source": "chat", "id": "a", "kind": "chat", "prompt": "Say hello in French."},
+    {"source": "chat", "id": "b", "kind": "chat", "prompt": "Name three colors of the rainbow, one per line."},
+    {"source": "long_context_qmsum", "id": "q", "kind": "long_context", "prompt": LONG},
 ]
-SETTINGS = dict(max_new_tokens=8, top_p=1.0, top_k=0, seed=0, batch_size=2, shard_size=3,
-                max_prompt_tokens=256)
+SETTINGS = DataConfig(answer_temperatures=[0.0, 1.0], max_new_tokens=8, max_answer_tokens=8, max_prompt_tokens=256,
+                      regen_batch_size=3, regen_cache_tokens=4096, regen_chunk_steps=3, regen_shard_answers=3)
 
 
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def write_jsonl(path, rows, compress=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if compress:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
 
 
 @pytest.fixture
 def data_dir(tmp_path):
-    write_jsonl(tmp_path / "gsm8k_train.jsonl", [{"question": f"q{i}", "answer": "#### 1"}
-                                                 for i in range(20)])
+    write_jsonl(tmp_path / "gsm8k_train.jsonl", [{"question": f"q{i}", "answer": "#### 1"} for i in range(200)])
     write_jsonl(tmp_path / "mbpp.jsonl", [dict(task_id=t, text=f"task {t}", test_list=[f"assert f({t})"])
                                           for t in (1, 10, 11, 510, 600, 601, 700, 974, 975)])
+    (tmp_path / "train_mix").mkdir()
+    write_jsonl(tmp_path / "train_mix" / "translation_multi30k.jsonl.gz",
+                [{"id": f"m{i}", "source": "Multi30k", "category": "translation", "prompt": f"Translate {i}"}
+                 for i in range(300)], compress=True)
     return tmp_path
 
 
-def test_prompts_are_capped_and_deterministic(data_dir):
-    first = load_training_prompts(str(data_dir), {"gsm8k": 5}, seed=1)
-    assert len(first) == 5 and first == load_training_prompts(str(data_dir), {"gsm8k": 5}, seed=1)
-    assert first != load_training_prompts(str(data_dir), {"gsm8k": 5}, seed=2)
-    everything = load_training_prompts(str(data_dir), {"gsm8k": None}, seed=1)
-    assert sorted(int(p["id"]) for p in everything) == list(range(20))
-    assert everything[:5] == first  # the cap takes a prefix of the same shuffle
+def all_records(corpus: Corpus) -> list[dict]:
+    return [source[i] for split in ("train", "heldout") for source in [corpus.answers(split)]
+            for i in range(len(source))]
+
+
+def test_prompts_are_capped_deterministic_and_never_held_out(data_dir):
+    first = load_prompts(str(data_dir), {"gsm8k": 5}, seed=1)
+    assert len(first) == 5 and first == load_prompts(str(data_dir), {"gsm8k": 5}, seed=1)
+    assert first != load_prompts(str(data_dir), {"gsm8k": 5}, seed=2)
+    train = load_prompts(str(data_dir), {"gsm8k": None, "translation_multi30k": None}, seed=1)
+    heldout = load_prompts(str(data_dir), {"gsm8k": None, "translation_multi30k": None}, seed=1, split="heldout")
+    assert heldout and not any(is_heldout(p["source"], p["id"]) for p in train)
+    assert all(is_heldout(p["source"], p["id"]) for p in heldout)
+    assert len(train) + len(heldout) == 500
+    assert first == [p for p in train if p["source"] == "gsm8k"][:5]  # the cap takes a prefix of the shuffle
     assert first[0]["prompt"] == (f"q{first[0]['id']}\nPlease reason step by step, and put your final "
-                                  "answer within \\boxed{}.")
+                                  "answer within \\boxed{}.") and first[0]["kind"] == "math"
+    mix = [p for p in train if p["source"] == "translation_multi30k"]
+    assert mix[0]["kind"] == "translation" and mix[0]["prompt"].startswith("Translate")
+
+
+def test_regeneration_prompts_take_both_splits_in_proportion(data_dir):
+    prompts = load_regeneration_prompts(str(data_dir), {"gsm8k": 40, "translation_multi30k": -1, "mbpp": 0}, seed=0)
+    gsm = [p for p in prompts if p["source"] == "gsm8k"]
+    assert sum(not is_heldout("gsm8k", p["id"]) for p in gsm) == 40
+    assert sum(is_heldout("gsm8k", p["id"]) for p in gsm) == 2  # ceil(40 * 3 / 97)
+    assert len([p for p in prompts if p["source"] == "translation_multi30k"]) == 300
+    assert not [p for p in prompts if p["source"] == "mbpp"]
 
 
 def test_prompt_source_errors(data_dir):
     with pytest.raises(ValueError, match="unknown training source.*'nope'.*known"):
-        load_training_prompts(str(data_dir), {"nope": 1}, seed=0)
+        load_prompts(str(data_dir), {"nope": 1}, seed=0)
     with pytest.raises(FileNotFoundError, match="math_train.jsonl.*--data-dir"):
-        load_training_prompts(str(data_dir), {"math": 1}, seed=0)
+        load_prompts(str(data_dir), {"math": 1}, seed=0)
+    (data_dir / "train_mix" / "stem_qa_p3.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(DamagedFileError, match="stem_qa_p3.jsonl.gz"):
+        load_prompts(str(data_dir), {"stem_qa_p3": 1}, seed=0)
 
 
 def test_mbpp_keeps_only_train_task_ids(data_dir):
-    prompts = load_training_prompts(str(data_dir), {"mbpp": None}, seed=0)
+    prompts = load_prompts(str(data_dir), {"mbpp": None}, seed=0) + load_prompts(str(data_dir), {"mbpp": None},
+                                                                                 seed=0, split="heldout")
     assert sorted(int(p["id"]) for p in prompts) == [601, 700, 974]
     task = next(p for p in prompts if p["id"] == "700")
     assert task["prompt"] == ("task 700\nWrite a Python function that solves this. Your code should pass "
@@ -66,72 +105,140 @@ def test_mbpp_keeps_only_train_task_ids(data_dir):
 def test_real_data_sources_load():
     if not os.path.isdir(DEFAULT_DATA_DIR):
         pytest.skip(f"no data at {DEFAULT_DATA_DIR}")
-    prompts = load_training_prompts(None, {"gsm8k": 3, "math": 3, "mbpp": None, "chat": 3}, seed=0)
-    mbpp_ids = [int(p["id"]) for p in prompts if p["source"] == "mbpp"]
-    assert len(mbpp_ids) == 374 and min(mbpp_ids) == 601 and max(mbpp_ids) == 974
-    assert len(prompts) == 383 and all(p["prompt"].strip() for p in prompts)
+    prompts = load_regeneration_prompts(None, {name: 2 for name in SOURCES}, seed=0)
+    assert {p["source"] for p in prompts} == set(SOURCES) and len(SOURCES) == 4 + len(TRAIN_MIX_FILES)
+    assert all(p["prompt"].strip() for p in prompts)
+    kinds = {p["kind"] for p in prompts}
+    assert {"math", "code", "chat", "instruction", "long_context", "translation", "stem_qa"} <= kinds
 
 
-def test_greedy_regeneration_matches_generate_and_resumes(embedded_target, tmp_path):
-    out = str(tmp_path / "regen")
-    manifest = regenerate(embedded_target, PROMPTS, out, temperature=0.0, **SETTINGS)
-    assert manifest["shards"] == ["shard-00000.jsonl", "shard-00001.jsonl"]
-    assert sorted(os.listdir(out)) == [MANIFEST_FILE] + manifest["shards"]  # no temporaries left
-    assert manifest["counts"] == {"gsm8k": 2, "chat": 2} and manifest["num_records"] == 4
-    records = read_shards(out)
+def test_prompt_buckets():
+    assert prompt_buckets(4096) == [128, 256, 512, 1024, 2048, 4096]
+    assert prompt_buckets(300) == [128, 256, 320]
+    assert prompt_buckets(100) == [128]
+
+
+@pytest.fixture(scope="module")
+def greedy_and_sampled(embedded_target, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("regen") / "corpus")
+    return out, regenerate(embedded_target, PROMPTS, out, SETTINGS)
+
+
+def test_greedy_answers_match_generate_and_long_prompts_get_their_bucket(embedded_target, greedy_and_sampled):
+    out, manifest = greedy_and_sampled
+    assert manifest["complete"] and manifest["num_answers"] == 8
+    assert manifest["counts"] == {"gsm8k": 2, "chat": 4, "long_context_qmsum": 2}
+    assert [s["file"] for s in manifest["shards"]] == ["answers-00000.npz", "answers-00001.npz", "answers-00002.npz"]
+    assert sorted(os.listdir(out)) == sorted([MANIFEST_FILE, PROMPTS_FILE, PROMPT_META_FILE]
+                                             + [s["file"] for s in manifest["shards"]])  # no temporaries left
+    widths = [b["prompt_width"] for b in manifest["sessions"][0]["buckets"]]
+    assert widths == [128, 256]  # the long prompt decodes in its own bucket
+    corpus = Corpus(out)
+    records = all_records(corpus)
     assert manifest["num_completion_tokens"] == sum(len(r["completion_ids"]) for r in records)
 
     expected = generate([p["prompt"] for p in PROMPTS], embedded_target, max_new_tokens=8)
-    by_key = {(r["source"], r["id"]): r for r in records}
+    assert len(expected.prompt_token_ids[3]) > 128
+    by_key = {(r["source"], r["id"], r["sample"]): r for r in records}
     for p, completion, prompt_ids in zip(PROMPTS, expected.token_ids, expected.prompt_token_ids):
-        record = by_key[(p["source"], p["id"])]
-        assert record["completion_ids"] == completion and record["prompt_ids"] == prompt_ids
-        assert record["finished"] == (len(completion) < 8)
+        record = by_key[(p["source"], p["id"], 0)]
+        assert record["completion_ids"].tolist() == completion and record["prompt_ids"].tolist() == prompt_ids
+        assert record["finished"] == (len(completion) < 8) and record["kind"] == p["kind"]
 
+
+def test_sampled_answers_are_numbered_and_the_same_whatever_the_batch(embedded_target, greedy_and_sampled, tmp_path):
+    out, _ = greedy_and_sampled
+    first = {(r["source"], r["id"], r["sample"]): r["completion_ids"].tolist() for r in all_records(Corpus(out))}
+    assert sorted({k[2] for k in first}) == [0, 1]
+    # at T=1 over 8 tokens the sampled answers are not all the greedy ones
+    assert any(first[(p["source"], p["id"], 1)] != first[(p["source"], p["id"], 0)] for p in PROMPTS)
+    other = dataclasses.replace(SETTINGS, regen_batch_size=8, regen_chunk_steps=5, regen_shard_answers=100)
+    regenerate(embedded_target, PROMPTS, str(tmp_path / "b"), other)
+    second = {(r["source"], r["id"], r["sample"]): r["completion_ids"].tolist()
+              for r in all_records(Corpus(str(tmp_path / "b")))}
+    assert second == first
+
+
+def test_finished_corpus_is_returned_untouched(embedded_target, greedy_and_sampled):
+    out, manifest = greedy_and_sampled
     mtimes = {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
-    (tmp_path / "regen" / "sentinel").write_text("kept")
-    assert regenerate(embedded_target, PROMPTS, out, temperature=0.0, **SETTINGS) == manifest
-    assert {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in mtimes} == mtimes
-    assert (tmp_path / "regen" / "sentinel").exists()
+    assert regenerate(embedded_target, PROMPTS, out, SETTINGS) == manifest
+    assert {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)} == mtimes
 
 
-def test_sampled_regeneration_is_seeded(embedded_target, tmp_path):
-    first = regenerate(embedded_target, PROMPTS, str(tmp_path / "a"), temperature=1.0, **SETTINGS)
-    second = regenerate(embedded_target, PROMPTS, str(tmp_path / "b"), temperature=1.0, **SETTINGS)
-    assert read_shards(str(tmp_path / "a")) == read_shards(str(tmp_path / "b"))
-    assert first["settings"] == second["settings"]
+def test_other_settings_are_refused_without_deleting(embedded_target, greedy_and_sampled):
+    out, _ = greedy_and_sampled
+    before = sorted(os.listdir(out))
+    with pytest.raises(InputError, match="other settings.*answer_temperatures.*new folder"):
+        regenerate(embedded_target, PROMPTS, out, dataclasses.replace(SETTINGS, answer_temperatures=[0.0]))
+    assert sorted(os.listdir(out)) == before
 
 
-def test_several_samples_per_prompt(embedded_target, tmp_path):
-    manifest = regenerate(embedded_target, PROMPTS, str(tmp_path / "k"), temperature=1.0,
-                          **{**SETTINGS, "batch_size": 4, "samples_per_prompt": 3})
-    records = read_shards(str(tmp_path / "k"))
-    assert manifest["num_records"] == len(records) == 12 and manifest["counts"] == {"gsm8k": 6, "chat": 6}
-    assert manifest["settings"]["samples_per_prompt"] == 3
-    for p in PROMPTS:
-        mine = [r for r in records if (r["source"], r["id"]) == (p["source"], p["id"])]
-        assert sorted(r["sample"] for r in mine) == [0, 1, 2]
-        assert all(r["prompt_ids"] == mine[0]["prompt_ids"] for r in mine)
-    # independent draws: over 4 prompts x 8 tokens at T=1, a prompt's three answers are not all alike
-    assert any(len({tuple(r["completion_ids"]) for r in records if r["id"] == p["id"]
-                    and r["source"] == p["source"]}) > 1 for p in PROMPTS)
-    # the held-out split keys on the prompt: its answers never sit on both sides
-    for seed in range(5):
-        train, heldout = split_heldout(records, 0.5, seed)
-        assert train and heldout  # both sides hold prompts at these seeds, so the check below has teeth
-        assert not {(r["source"], r["id"]) for r in train} & {(r["source"], r["id"]) for r in heldout}
-    with pytest.raises(ValueError, match="samples_per_prompt=2 needs a temperature > 0"):
-        regenerate(embedded_target, PROMPTS, str(tmp_path / "g"), temperature=0.0,
-                   **{**SETTINGS, "samples_per_prompt": 2})
-    assert not os.path.exists(tmp_path / "g")  # refused before anything is written
+def test_interrupted_run_resumes_to_the_same_corpus(embedded_target, greedy_and_sampled, tmp_path, monkeypatch):
+    reference, _ = greedy_and_sampled
+    out = str(tmp_path / "resumed")
+    settings = dataclasses.replace(SETTINGS, regen_shard_answers=1)
+    real = regen_module.run_bucket
+    calls = []
+
+    def stop_in_second_bucket(*args, **kwargs):
+        calls.append(kwargs["width"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen_module, "run_bucket", stop_in_second_bucket)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(embedded_target, PROMPTS, out, settings)
+    partial = json.load(open(os.path.join(out, MANIFEST_FILE)))
+    assert not partial["complete"] and partial["num_answers"] == 6  # the short bucket, one shard per answer
+    with pytest.raises(ValueError, match="not finished.*resume"):
+        Corpus(out)
+    monkeypatch.setattr(regen_module, "run_bucket", real)
+    manifest = regenerate(embedded_target, PROMPTS, out, settings)
+    assert manifest["complete"] and manifest["num_answers"] == 8 and len(manifest["sessions"]) == 1
+    key = lambda r: (r["source"], r["id"], r["sample"])  # noqa: E731
+    resumed = {key(r): r["completion_ids"].tolist() for r in all_records(Corpus(out))}
+    assert resumed == {key(r): r["completion_ids"].tolist() for r in all_records(Corpus(reference))}
 
 
-def test_changed_settings_regenerate_and_missing_manifest_is_explained(embedded_target, tmp_path):
-    out = str(tmp_path / "regen")
+def test_time_box_stops_cleanly_and_resumes(embedded_target, tmp_path):
+    out = str(tmp_path / "boxed")
+    boxed = dataclasses.replace(SETTINGS, regen_max_minutes=1e-9)
+    manifest = regenerate(embedded_target, PROMPTS[:2], out, boxed)
+    assert not manifest["complete"] and manifest["num_answers"] == 0
+    manifest = regenerate(embedded_target, PROMPTS[:2], out, SETTINGS)
+    assert manifest["complete"] and manifest["num_answers"] == 4
+
+
+def test_damaged_corpus_is_named(greedy_and_sampled, tmp_path):
+    out, manifest = greedy_and_sampled
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in os.listdir(out):
+        (copy / name).write_bytes(open(os.path.join(out, name), "rb").read())
+    shard = copy / manifest["shards"][1]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DamagedFileError, match="answers-00001.npz.*sha256"):
+        Corpus(str(copy))
+    (copy / MANIFEST_FILE).write_text('{"format": "something else"}')
+    with pytest.raises(DamagedFileError, match="manifest.json.*older regeneration"):
+        Corpus(str(copy))
     with pytest.raises(FileNotFoundError, match="no manifest.json.*regenerat"):
-        read_shards(out)
-    regenerate(embedded_target, PROMPTS[:2], out, temperature=0.0, **{**SETTINGS, "shard_size": 1})
-    manifest = regenerate(embedded_target, PROMPTS[:2], out, temperature=0.0, **SETTINGS)
-    assert manifest["shards"] == ["shard-00000.jsonl"]
-    assert sorted(os.listdir(out)) == [MANIFEST_FILE, "shard-00000.jsonl"]  # the old shard 1 is gone
-    assert len(read_shards(out)) == 2
+        Corpus(str(tmp_path / "nothing"))
+
+
+def test_settings_errors(embedded_target, tmp_path):
+    with pytest.raises(InputError, match="max_prompt_tokens.*positions"):
+        regenerate(embedded_target, PROMPTS, str(tmp_path / "x"), dataclasses.replace(SETTINGS, max_prompt_tokens=8190))
+    with pytest.raises(InputError, match="regen_cache_tokens.*cannot hold"):
+        regenerate(embedded_target, PROMPTS, str(tmp_path / "y"), dataclasses.replace(SETTINGS, regen_cache_tokens=64))
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+def test_token_dtype_follows_the_vocabulary(greedy_and_sampled):
+    out, _ = greedy_and_sampled
+    corpus = Corpus(out)
+    assert corpus.prompt_tokens.dtype == np.uint16  # 49,152 tokens fit 16 bits
