@@ -270,7 +270,7 @@ def write_jsonl(path, lines):
 
 
 @pytest.mark.parametrize("overrides, messages", [
-    (["optim.batch_size=-3"], ["optim.batch_size must be >= 1, got -3"]),
+    (["optim.tokens_per_batch=-3"], ["optim.tokens_per_batch must be >= 2, got -3"]),
     (["optim.batch_sise=4", "nope.key=1", "optim.total_steps=many", "data.top_p=2", "loss.kind=kl",
       "run.compute_dtype=float16", "data.sources={\"gsm9k\": 1}", "total_steps=5"],
      ["unknown key(s) optim.batch_sise", "unknown section [nope]", "optim.total_steps='many' is not a valid int",
@@ -278,7 +278,7 @@ def write_jsonl(path, lines):
       "run.compute_dtype must be one of float32, bfloat16", "unknown source 'gsm9k'",
       "override 'total_steps=5' must look like section.key=value"]),
     (["data.data_dir=/no/such/data"], ["/no/such/data/gsm8k_train.jsonl, which does not exist"]),
-    (["optim.batch_size=3"], ["optim.batch_size=3 must be a multiple of the 8 data-parallel devices"]),
+    (["optim.tokens_per_batch=768"], ["every bucket's rows must split evenly over the 8 data-parallel devices"]),
 ])
 def test_train_settings_fail_before_the_target_loads(overrides, messages, tmp_path, capsys, no_target_load):
     data = tmp_path / "data"

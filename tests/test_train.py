@@ -1,8 +1,11 @@
-"""Training: loss values, frozen target, a tiny run that learns, exact kill-and-resume, sharding."""
+"""Training: loss values, the bucketed and weighted data stream over a regenerated corpus, frozen target,
+a tiny run that learns, exact kill-and-resume, per-kind held-out metrics, sharding, config errors."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +13,76 @@ import numpy as np
 import pytest
 
 from jetspec_jax import sharding
-from jetspec_jax.train.config import load_config
-from jetspec_jax.train.loss import acceptance_stats, depth_weights, draft_loss
+from jetspec_jax.models import draft_head
+from jetspec_jax.train.config import check_data_parallel, load_config
+from jetspec_jax.train.corpus import Answers, Corpus, CorpusWriter
+from jetspec_jax.train.data import batch_iterator, fit_to_row, heldout_batches, training_stream
+from jetspec_jax.train.loss import acceptance_stats, depth_weights, draft_loss, per_row_stats, pooled_stats
+from jetspec_jax.train.mixture import is_heldout
 from jetspec_jax.train.trainer import Trainer, forward_and_loss, train
+
+# source, kind, prompts kept for training, (min, max) prompt tokens, (min, max) answer tokens, answers per prompt
+CORPUS = [("gsm8k", "math", 40, (8, 24), (4, 30), 1),
+          ("chat", "chat", 30, (8, 80), (4, 30), 2),
+          ("translation_wmt_de_en", "translation", 30, (8, 20), (4, 16), 1),
+          ("long_context_qmsum", "long_context", 12, (300, 450), (8, 40), 1)]
+HELDOUT_PER_SOURCE = 2
+# rows of 32, 8 and 2 at 1,024 tokens; anchors 2, 6 and 26. The 512 bucket holds every long answer whole
+# (the old tiny-cpu layout cut everything at 192 tokens).
+OLD_SEQ_LEN = 192
+TEST_SETTINGS = ["data.length_buckets=[32, 128, 512]", "optim.tokens_per_batch=1024",
+                 "data.anchors_per_1k_tokens=50", "optim.total_steps=16", "optim.learning_rate=3e-3",
+                 "optim.warmup_steps=2", "head.num_taps=2", "run.eval_every=4", "run.checkpoint_every=2"]
+
+
+def write_corpus(out_dir, vocab_size: int, seed: int = 0) -> Corpus:
+    """A small regenerated corpus of random tokens shaped like the real one: short and long prompts, some
+    prompts with several answers, and HELDOUT_PER_SOURCE held-out prompts in every source."""
+    rng = np.random.default_rng(seed)
+    prompts, prompt_ids, answers = [], [], Answers()
+    for source, kind, n_train, (p_lo, p_hi), (a_lo, a_hi), samples in CORPUS:
+        ids = [f"{source}-{j}" for j in range(10_000)]
+        keep = ([i for i in ids if not is_heldout(source, i)][:n_train]
+                + [i for i in ids if is_heldout(source, i)][:HELDOUT_PER_SOURCE])
+        for record_id in keep:
+            prompts.append({"source": source, "id": record_id, "kind": kind})
+            prompt_ids.append(rng.integers(3, vocab_size, rng.integers(p_lo, p_hi + 1)).tolist())
+            for sample in range(samples):
+                tokens = rng.integers(3, vocab_size, rng.integers(a_lo, a_hi + 1)).tolist()
+                answers.add(len(prompts) - 1, sample, tokens, finished=bool(sample % 2))
+    writer = CorpusWriter.create(str(out_dir), {"test": True}, prompts, prompt_ids, vocab_size, {"by": "test_train"})
+    sources = [p["source"] for p in prompts]
+    while len(answers):
+        writer.write_shard(answers.take(50), sources, seconds=0.0)
+    writer.finish({})
+    return Corpus(str(out_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_qwen3):
+    return tiny_qwen3[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_target, tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), tiny_target.cfg.vocab_size)
+
+
+def tiny_config(tmp_path, *overrides):
+    return load_config("tiny-cpu", [f"run.out_dir={tmp_path}", *TEST_SETTINGS, *overrides])
+
+
+def one_device():
+    return sharding.make_mesh(1, jax.devices()[:1])
+
+
+def drawn_answers(stream, steps: int) -> list[int]:
+    """Indices into the train split of every answer the first `steps` batches hold."""
+    return [int(i) for step in range(steps) for i in stream.indices[step][1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
 
 
 def test_forward_kl_ce_rkl_against_hand_computation():
@@ -42,120 +112,236 @@ def test_forward_kl_ce_rkl_against_hand_computation():
     np.testing.assert_allclose(np.asarray(depth_weights(3, 0.0)), [1, 1, 1])
 
 
-def test_acceptance_stats():
+def test_acceptance_stats_and_per_row_sums_pool_to_the_same_numbers():
     teacher = jax.nn.one_hot(jnp.asarray([[[1, 2, 0], [0, 0, 0]]]), 3)  # 2 blocks x 3 depths
     student = jax.nn.one_hot(jnp.asarray([[[1, 0, 0], [0, 0, 1]]]), 3)
     valid = jnp.asarray([[[True, True, True], [True, True, False]]])
     per_depth, tau = acceptance_stats(student, teacher, valid)
     np.testing.assert_allclose(np.asarray(per_depth), [1.0, 0.5, 1.0])
     assert float(tau) == pytest.approx(1 + (1 + 2) / 2)  # leading matches: 1 and 2
+    # three rows (the second one twice, one all padding): pooling any set of rows = the metric on those rows
+    rng = np.random.default_rng(0)
+    s, t = jnp.asarray(rng.normal(size=(3, 4, 3, 5))), jnp.asarray(rng.normal(size=(3, 4, 3, 5)))
+    labels, valid = jnp.asarray(rng.integers(0, 5, (3, 4, 3))), jnp.asarray(rng.random((3, 4, 3)) < 0.7)
+    valid = valid.at[2].set(False)
+    stats = jax.tree.map(np.asarray, per_row_stats(s, t, labels, valid, gamma=2.0))
+    pooled = pooled_stats(stats, np.asarray([True, True, False]))
+    assert pooled["loss"] == pytest.approx(float(draft_loss(s[:2], t[:2], labels[:2], valid[:2], gamma=2.0)), rel=1e-5)
+    want_depth, want_tau = acceptance_stats(s[:2], t[:2], valid[:2])
+    np.testing.assert_allclose(pooled["accept_per_depth"], np.asarray(want_depth), atol=1e-4)
+    assert pooled["expected_tau"] == pytest.approx(float(want_tau), rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def training_records(embedded_target):
-    from jetspec_jax.generate import generate
-
-    prompts = ["What is 12 plus 30?", "Name a fruit that is yellow.", "Write a haiku about rain.",
-               "What is the boiling point of water?", "Explain what a prime number is.",
-               "Give me a synonym for happy.", "How many legs does a spider have?", "What is 9 times 7?"]
-    result = generate(prompts, embedded_target, max_new_tokens=40)
-    return [{"source": "test", "id": i, "prompt_ids": p, "completion_ids": c}
-            for i, (p, c) in enumerate(zip(result.prompt_token_ids, result.token_ids))]
+# ---------------------------------------------------------------------------------------------
+# The data stream
 
 
-def tiny_config(tmp_path, *overrides):
-    return load_config("tiny-cpu", [f"run.out_dir={tmp_path}", *overrides])
+def test_mixture_weights_are_honoured(corpus, tmp_path):
+    train_split = corpus.answers("train")
+    sources = train_split.sources()
+    counts = collections.Counter(sources)
+    # chat x3 by source; the math kind at 0 but its source gsm8k at 2 (the source wins); translation never
+    mixture = {"chat": 3.0, "math": 0.0, "gsm8k": 2.0, "translation": 0.0}
+    cfg = tiny_config(tmp_path, f"data.mixture={json.dumps(mixture)}")
+    stream = training_stream(train_split, cfg.buckets(), mixture=cfg.data.mixture, seed=0)
+    drawn = collections.Counter(sources[i] for i in drawn_answers(stream, 400))
+    assert drawn["translation_wmt_de_en"] == 0
+    weights = {"gsm8k": 2.0, "chat": 3.0, "long_context_qmsum": 1.0}
+    expected = {s: w * counts[s] / sum(weights[k] * counts[k] for k in weights) for s, w in weights.items()}
+    total = sum(drawn.values())
+    for source, share in expected.items():
+        assert drawn[source] / total == pytest.approx(share, abs=0.03), (source, drawn, expected)
+    assert stream.plan["draw_share_by_source"] == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ValueError, match="weight 0 to every training answer"):
+        training_stream(train_split, cfg.buckets(), mixture={s: 0 for s in counts}, seed=0)
 
 
-def one_device():
-    return sharding.make_mesh(1, jax.devices()[:1])
-
-
-def test_gradients_do_not_reach_the_target(embedded_target, training_records, tmp_path):
+def test_heldout_answers_never_reach_the_training_stream(corpus, tmp_path):
+    train_split, heldout = corpus.answers("train"), corpus.answers("heldout")
+    heldout_keys = {(heldout[i]["source"], heldout[i]["id"]) for i in range(len(heldout))}
+    assert len(heldout_keys) == HELDOUT_PER_SOURCE * len(CORPUS)
     cfg = tiny_config(tmp_path)
-    trainer = Trainer(cfg, embedded_target, one_device())
-    state = trainer.init_state(0)
-    from jetspec_jax.train.data import training_dataset
+    stream = training_stream(train_split, cfg.buckets(), mixture={}, seed=0)
+    seen = {(train_split[i]["source"], train_split[i]["id"]) for i in set(drawn_answers(stream, 200))}
+    assert len(seen) == sum(n for _, _, n, *_ in CORPUS)  # every training prompt drawn, no held-out one
+    assert not seen & heldout_keys
+    batches = heldout_batches(heldout, cfg.buckets(), per_kind=4, seed=0)
+    kinds = collections.Counter(k for b in batches for k in b["kind"].tolist() if k)
+    assert kinds == {"math": 2, "chat": 4, "translation": 2, "long_context": 2}  # chat: 2 prompts x 2 answers
 
-    batch = trainer.place_batch(training_dataset(training_records, seq_len=192, anchors_per_seq=4, batch_size=4,
-                                                 seed=0)[0])
-    loss_fn = lambda h, t: forward_and_loss(h, t, batch, cfg=cfg, head_cfg=trainer.head_cfg,  # noqa: E731
-                                            target_cfg=embedded_target.cfg, dtype=jnp.float32)[0]
-    head_grads, target_grads = jax.grad(loss_fn, argnums=(0, 1))(state["params"], trainer.target_params)
+
+def test_a_long_answer_lands_whole_in_its_bucket_and_rows_fill_the_token_budget(corpus, tmp_path):
+    cfg = tiny_config(tmp_path)
+    buckets = {b.length: b for b in cfg.buckets()}
+    assert [(b.rows, b.anchors) for b in buckets.values()] == [(32, 2), (8, 6), (2, 26)]
+    train_split = corpus.answers("train")
+    by_tokens = {}
+    for i in range(len(train_split)):
+        r = train_split[i]
+        by_tokens[tuple(np.concatenate([r["prompt_ids"], r["completion_ids"]]).tolist())] = r
+    stream = training_stream(train_split, cfg.buckets(), mixture={}, seed=0)
+    shapes, long_rows = set(), 0
+    for step in range(40):
+        batch = stream.dataset[step]
+        rows, length = batch["tokens"].shape
+        bucket = buckets[length]
+        assert rows == bucket.rows == cfg.optim.tokens_per_batch // length
+        assert batch["anchors"].shape == batch["anchor_valid"].shape == (rows, bucket.anchors)
+        shapes.add((rows, length))
+        for row, n, p in zip(batch["tokens"], batch["length"], batch["prompt_len"]):
+            r = by_tokens[tuple(row[:n].tolist())]  # the whole answer: prompt + completion, nothing cut
+            assert p == len(r["prompt_ids"]) and not row[n:].any()
+            assert length == min(b for b in buckets if b >= n)  # the smallest bucket that holds it
+            long_rows += n > OLD_SEQ_LEN
+        valid = batch["anchors"][batch["anchor_valid"]]
+        assert valid.min() >= batch["prompt_len"].min() - 1
+    assert len(shapes) == len(buckets) and long_rows > 0
+    # beyond the largest bucket: the prompt's end and the completion's start are kept
+    tokens, kept = fit_to_row(np.arange(100), np.arange(1000, 1040), 64)
+    assert kept == 32 and tokens.tolist() == list(range(68, 100)) + list(range(1000, 1032))
+    tokens, kept = fit_to_row(np.arange(10), np.arange(1000, 1100), 64)
+    assert kept == 10 and tokens.tolist() == list(range(10)) + list(range(1000, 1054))
+
+
+def test_resumed_iterator_gives_the_identical_next_batches_and_processes_split_each_batch(corpus, tmp_path):
+    cfg = tiny_config(tmp_path)
+    train_split = corpus.answers("train")
+    stream = training_stream(train_split, cfg.buckets(), mixture={}, seed=3)
+    it = batch_iterator(stream.dataset)
+    for _ in range(5):
+        next(it)
+    state = it.get_state()
+    want = [next(it) for _ in range(4)]
+    resumed = batch_iterator(training_stream(train_split, cfg.buckets(), mixture={}, seed=3).dataset,
+                             json.loads(json.dumps(state)))  # as the checkpoint stores it
+    for a, b in zip(want, (next(resumed) for _ in range(4))):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    halves = [training_stream(train_split, cfg.buckets(), mixture={}, seed=3, process_index=p, process_count=2)
+              .dataset[7] for p in range(2)]
+    whole = stream.dataset[7]
+    for k in whole:
+        np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])
+
+
+# ---------------------------------------------------------------------------------------------
+# The head's training path
+
+
+def test_chunked_training_logits_equal_one_pass_and_give_the_same_gradients(tiny_target):
+    from drafters import random_head
+
+    target = tiny_target
+    drafter, head = random_head(target.cfg, jax.random.key(4), attention="causal", num_layers=2)
+    cfg = drafter.cfg
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, 97, (2, 40)))
+    taps = jnp.asarray(rng.normal(size=(2, 40, len(cfg.tap_layers), target.cfg.hidden_size)), jnp.float32)
+    anchors = jnp.asarray(np.sort(rng.integers(0, 38, (2, 7)), axis=1))
+
+    def total(params, chunk):
+        return jnp.sum(jnp.sin(draft_head.training_logits(params, target.params, target.cfg, tokens, taps, anchors,
+                                                          cfg, anchors_per_chunk=chunk)))
+
+    whole, chunked = (jax.jit(jax.value_and_grad(total), static_argnums=1)(head, c)
+                      for c in (None, 3))  # 3 chunks, the last padded
+    assert float(chunked[0]) == pytest.approx(float(whole[0]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(whole[1]), jax.tree.leaves(chunked[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_do_not_reach_the_target(tiny_target, corpus, tmp_path):
+    cfg = tiny_config(tmp_path)
+    trainer = Trainer(cfg, tiny_target, one_device())
+    state = trainer.init_state(0)
+    stream = training_stream(corpus.answers("train"), cfg.buckets(), mixture={}, seed=0)
+    batch = trainer.place_batch(stream.dataset[0])
+    loss_fn = lambda h, t: forward_and_loss(h, t, batch, loss_cfg=cfg.loss, head_cfg=trainer.head_cfg,  # noqa: E731
+                                            target_cfg=tiny_target.cfg, dtype=jnp.float32)[0]
+    head_grads, target_grads = jax.jit(jax.grad(loss_fn, argnums=(0, 1)))(state["params"], trainer.target_params)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(target_grads))
     assert float(jnp.abs(head_grads["fc"]).max()) > 0
 
 
-def test_tiny_run_lowers_the_loss(embedded_target, training_records, tmp_path):
-    cfg = tiny_config(tmp_path, "optim.total_steps=16", "optim.learning_rate=3e-3", "data.heldout_fraction=0")
-    losses = {}
-    train(cfg, embedded_target, training_records, mesh=one_device(), on_step=lambda s, row: losses.__setitem__(s, row["loss"]))
-    first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (14, 15, 16)])
-    assert last < 0.7 * first, (first, last)
+# ---------------------------------------------------------------------------------------------
+# Runs (every run shares one config's compiled steps: they differ only in run.* settings)
 
 
-def test_kill_and_resume_reproduces_the_uninterrupted_run(embedded_target, training_records, tmp_path):
-    straight, resumed = {}, {}
-    cfg_a = tiny_config(tmp_path / "a", "optim.total_steps=6")
-    train(cfg_a, embedded_target, training_records, mesh=one_device(), on_step=lambda s, r: straight.__setitem__(s, r["loss"]))
-    cfg_b = tiny_config(tmp_path / "b", "optim.total_steps=6")
-    # "killed" after step 3: the last checkpoint is step 2, so step 3 is lost and recomputed
-    out = train(cfg_b, embedded_target, training_records, mesh=one_device(), stop_after=3,
-                on_step=lambda s, r: resumed.__setitem__(s, r["loss"]))
-    assert out == {"stopped_at": 3}
-    after = {}
-    train(cfg_b, embedded_target, training_records, mesh=one_device(), on_step=lambda s, r: after.__setitem__(s, r["loss"]))
-    assert sorted(after) == [3, 4, 5, 6]
-    assert [after[s] for s in (3, 4, 5, 6)] == [straight[s] for s in (3, 4, 5, 6)]
-    assert resumed[3] == straight[3]
-
-
-def test_max_steps_stops_cleanly_and_a_later_run_continues_the_same_schedule(embedded_target, training_records,
-                                                                              tmp_path):
-    straight, first, rest = {}, {}, {}
-    train(tiny_config(tmp_path / "a", "optim.total_steps=5"), embedded_target, training_records, mesh=one_device(),
-          on_step=lambda s, r: straight.__setitem__(s, r["loss"]))
+def test_a_short_run_learns_and_writes_rates_and_heldout_numbers_per_kind(tiny_target, corpus, tmp_path):
     head_dir = tmp_path / "head"
-    stopped = tiny_config(tmp_path / "b", "optim.total_steps=5", "run.max_steps=3", f"run.export_head={head_dir}")
-    summary = train(stopped, embedded_target, training_records, mesh=one_device(),
-                    on_step=lambda s, r: first.__setitem__(s, r["loss"]))
-    assert summary["steps"] == 3 and (head_dir / "head.safetensors").is_file()
-    assert summary["mesh"] == {"data": 1, "model": 1} and len(summary["devices"]) == 1
-    train(tiny_config(tmp_path / "b", "optim.total_steps=5"), embedded_target, training_records, mesh=one_device(),
-          on_step=lambda s, r: rest.__setitem__(s, r["loss"]))
-    assert sorted(first) == [1, 2, 3] and sorted(rest) == [4, 5]
-    assert {**first, **rest} == straight
+    summary = train(tiny_config(tmp_path, f"run.export_head={head_dir}"), tiny_target, corpus, mesh=one_device())
+    rows = [json.loads(line) for line in (tmp_path / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
+    assert last < 0.7 * first, (first, last)
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and 0 < r["answer_tokens_per_s"] < r["tokens_per_s"] <= r["padded_tokens_per_s"]
+    assert rows[-1]["tokens_seen"] == summary["tokens_seen"] > rows[-1]["answer_tokens_seen"] > 0
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8, 12, 16]
+    by_kind = evals[-1]["eval_by_kind"]
+    assert sorted(by_kind) == ["chat", "long_context", "math", "translation"]
+    assert by_kind["chat"]["answers"] == 4 and evals[-1]["eval_answers"] == 10
+    for numbers in by_kind.values():
+        assert numbers["expected_tau"] >= 1 and len(numbers["accept_per_depth"]) == 15 and numbers["loss"] > 0
+    plan = json.loads((tmp_path / "tiny-cpu" / "data_plan.json").read_text())
+    assert plan["answers_per_bucket"]["512"] == 12 and plan["cut_answers"] == 0
+    assert (head_dir / "head.safetensors").is_file() and summary["steps"] == 16
 
 
-def test_checkpoint_from_another_config_is_refused(embedded_target, training_records, tmp_path):
-    train(tiny_config(tmp_path, "optim.total_steps=2"), embedded_target, training_records, mesh=one_device())
+def test_kill_and_resume_reproduces_the_uninterrupted_run(tiny_target, corpus, tmp_path):
+    straight, resumed, after = {}, {}, {}
+    train(tiny_config(tmp_path / "a", "run.max_steps=7"), tiny_target, corpus, mesh=one_device(),
+          on_step=lambda s, r: straight.__setitem__(s, r))
+    cfg_b = tiny_config(tmp_path / "b", "run.max_steps=7")
+    # "killed" after step 5: the last checkpoint is step 4, so step 5 is lost and recomputed
+    out = train(cfg_b, tiny_target, corpus, mesh=one_device(), stop_after=5,
+                on_step=lambda s, r: resumed.__setitem__(s, r))
+    assert out == {"stopped_at": 5}
+    summary = train(cfg_b, tiny_target, corpus, mesh=one_device(), on_step=lambda s, r: after.__setitem__(s, r))
+    assert sorted(after) == [5, 6, 7] and summary["steps"] == 7
+    keys = ("loss", "tokens_seen", "answer_tokens_seen")
+    assert [[after[s][k] for k in keys] for s in (5, 6, 7)] == [[straight[s][k] for k in keys] for s in (5, 6, 7)]
+    assert resumed[5]["loss"] == straight[5]["loss"]
+    # the rest of the schedule continues from a stop at max_steps
+    rest = {}
+    train(tiny_config(tmp_path / "a", "run.max_steps=9"), tiny_target, corpus, mesh=one_device(),
+          on_step=lambda s, r: rest.__setitem__(s, r))
+    assert sorted(rest) == [8, 9]
     with pytest.raises(ValueError, match="another config"):
-        train(tiny_config(tmp_path, "optim.total_steps=4", "head.num_layers=2"), embedded_target, training_records,
-              mesh=one_device())
+        train(tiny_config(tmp_path / "a", "data.anchors_per_1k_tokens=60"), tiny_target, corpus, mesh=one_device())
 
 
-def test_sharded_step_equals_single_device_step(embedded_target, training_records, tmp_path):
-    from jetspec_jax.train.data import training_dataset
+def test_a_checkpoint_from_another_corpus_is_refused(tiny_target, corpus, tmp_path):
+    train(tiny_config(tmp_path, "run.max_steps=2"), tiny_target, corpus, mesh=one_device())
+    other = write_corpus(tmp_path / "other", tiny_target.cfg.vocab_size, seed=1)
+    with pytest.raises(ValueError, match="another corpus"):
+        train(tiny_config(tmp_path, "run.max_steps=4"), tiny_target, other, mesh=one_device())
 
+
+def test_sharded_step_equals_single_device_step(tiny_target, corpus, tmp_path):
     assert len(jax.devices()) == 8
-    cfg = tiny_config(tmp_path, "head.intermediate_size=512")
-    batch = training_dataset(training_records, seq_len=192, anchors_per_seq=4, batch_size=8, seed=0)[0]
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, batch_size=8))
+    cfg = tiny_config(tmp_path, "head.intermediate_size=512", "data.length_buckets=[64]", "optim.tokens_per_batch=512")
+    batch = training_stream(corpus.answers("train"), cfg.buckets(), mixture={}, seed=0).dataset[0]
+    assert batch["tokens"].shape == (8, 64)
     results = []
     for mesh in (one_device(), sharding.make_mesh(2, jax.devices())):
-        trainer = Trainer(cfg, embedded_target, mesh)
+        trainer = Trainer(cfg, tiny_target, mesh)
         state, metrics = trainer.train_step(trainer.init_state(0), batch)
-        results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state["params"])))
-    (loss1, params1), (loss8, params8) = results
-    assert loss8 == pytest.approx(loss1, rel=1e-5)
+        results.append((float(metrics["loss"]), int(metrics["real_tokens"]), jax.tree.map(np.asarray, state["params"])))
+    (loss1, real1, params1), (loss8, real8, params8) = results
+    assert loss8 == pytest.approx(loss1, rel=1e-5) and real1 == real8 == int(batch["length"].sum())
     for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params8)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    spec = sharding.partition_spec(__import__("jetspec_jax.models.draft_head", fromlist=["x"]).param_specs(
-        trainer.head_cfg)["layers"][0]["w_gate"], sharding.make_mesh(2, jax.devices()))
+    spec = sharding.partition_spec(draft_head.param_specs(trainer.head_cfg)["layers"][0]["w_gate"],
+                                   sharding.make_mesh(2, jax.devices()))
     assert spec == jax.sharding.PartitionSpec(None, "model")  # the MLP really is split
 
 
-def test_config_errors(tmp_path):
+# ---------------------------------------------------------------------------------------------
+# Config errors
+
+
+def test_config_errors_are_one_clear_message():
     with pytest.raises(ValueError, match="unknown key\\(s\\) optim.learnin_rate"):
         load_config("tiny-cpu", ["optim.learnin_rate=1"])
     with pytest.raises(ValueError, match="section.key=value"):
@@ -164,7 +350,27 @@ def test_config_errors(tmp_path):
         load_config("tiny-cpu", ["optim.total_steps=many"])
     with pytest.raises(FileNotFoundError, match="available in train/configs"):
         load_config("no-such-config")
-    with pytest.raises(ValueError, match="samples_per_prompt=3 needs .* data.temperature > 0"):
-        load_config("tiny-cpu", ["data.samples_per_prompt=3", "data.temperature=0"])
-    sampled = load_config("tiny-cpu", ["data.samples_per_prompt=3", "data.temperature=0.8"])
-    assert sampled.data.samples_per_prompt == 3
+    with pytest.raises(ValueError) as e:  # every problem in one message
+        load_config("tiny-cpu", ["data.seq_len=640", "optim.batch_size=32", "data.mixture={\"gsm9k\": 1}"])
+    message = str(e.value)
+    assert "data.seq_len was replaced by data.length_buckets" in message
+    assert "optim.batch_size was replaced by optim.tokens_per_batch" in message and "unknown key 'gsm9k'" in message
+    with pytest.raises(ValueError, match="data.length_buckets must be a non-empty list of increasing row lengths"):
+        load_config("tiny-cpu", ["data.length_buckets=[256, 128]"])
+    with pytest.raises(ValueError, match="tokens_per_batch=200 holds no row of the largest bucket \\(256 tokens\\); "
+                                         "raise it to at least 256"):
+        load_config("tiny-cpu", ["optim.tokens_per_batch=200"])
+    cfg = load_config("tiny-cpu", ["optim.tokens_per_batch=768"])  # 6 rows of 128, 3 of 256
+    check_data_parallel(cfg, 3)
+    with pytest.raises(ValueError, match="gives 6 rows of 128, 3 rows of 256 tokens; every bucket's rows must split "
+                                         "evenly over the 2 data-parallel devices and 1 processes: use "
+                                         "optim.tokens_per_batch=1024"):
+        check_data_parallel(cfg, 2)
+    for name in ("smollm2-135m-jetspec", "smollm2-135m-dflash", "smollm2-135m-general-jetspec",
+                 "smollm2-135m-general-dflash"):
+        check_data_parallel(load_config(name), 8)  # the shipped and the new recipes load and split over 8 GPUs
+    old = load_config("smollm2-135m-jetspec")
+    assert [tuple(b) for b in old.buckets()] == [(640, 32, 48)]  # the shipped heads' layout, as recorded
+    general = load_config("smollm2-135m-general-dflash")
+    assert dataclasses.replace(general.head, attention="causal") == load_config("smollm2-135m-general-jetspec").head
+    assert general.optim == load_config("smollm2-135m-general-jetspec").optim

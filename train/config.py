@@ -43,7 +43,7 @@ class DataConfig:
     max_answer_tokens: int = 512  # an unfinished answer goes on up to this where its slot's cache rows allow
     regen_batch_size: int = 256  # sequences decoding at once (fewer for long prompts: regen_cache_tokens)
     regen_cache_tokens: int = 1 << 20  # cache rows over all decoding sequences, which bounds their memory
-    regen_chunk_steps: int = 32  # decode steps per device call; finished rows are refilled between calls
+    regen_chunk_steps: int = 16  # decode steps per device call; finished rows are refilled between calls
     regen_shard_answers: int = 4096  # answers per shard file
     regen_max_minutes: float = 0.0  # > 0: stop regenerating cleanly after this long (resume later)
     # Training rows: an answer (prompt + completion, whole) is padded to the smallest of these lengths
@@ -228,9 +228,9 @@ def check_data_parallel(cfg: TrainConfig, data_parallel: int, processes: int = 1
     buckets = cfg.buckets()
     if all(b.rows % split == 0 for b in buckets):
         return
-    rows = ", ".join(f"{b.rows} of {b.length}" for b in buckets)
+    rows = ", ".join(f"{b.rows} rows of {b.length}" for b in buckets)
     raise InputError(
-        f"optim.tokens_per_batch={cfg.optim.tokens_per_batch} gives rows of {rows} tokens; every bucket's rows must "
+        f"optim.tokens_per_batch={cfg.optim.tokens_per_batch} gives {rows} tokens; every bucket's rows must "
         f"split evenly over the {data_parallel} data-parallel devices and {processes} processes: use "
         f"optim.tokens_per_batch={even_tokens_per_batch(cfg.data.length_buckets, cfg.optim.tokens_per_batch, split)}"
         f", or length buckets that divide tokens_per_batch / {split}")

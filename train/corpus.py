@@ -258,6 +258,13 @@ class AnswerSource:
             out[j] = (c.prompt_offsets[p + 1] - c.prompt_offsets[p]) + (arrays["offsets"][r + 1] - arrays["offsets"][r])
         return out
 
-    def sources(self) -> list[str]:
+    def prompt_field(self, field: str) -> list[str]:
+        """A prompt field ("source", "id" or "kind") of every answer, without building records."""
         c = self.corpus
-        return [c.prompts[int(c.shards[s]["prompt_index"][r])]["source"] for s, r in (c.index[p] for p in self.positions)]
+        return [c.prompts[int(c.shards[s]["prompt_index"][r])][field] for s, r in (c.index[p] for p in self.positions)]
+
+    def sources(self) -> list[str]:
+        return self.prompt_field("source")
+
+    def kinds(self) -> list[str]:
+        return self.prompt_field("kind")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def depth_weights(num_depths: int, gamma: float) -> jax.Array:
@@ -50,3 +51,26 @@ def acceptance_stats(student_logits: jax.Array, teacher_logits: jax.Array, valid
     leading = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1)
     expected_tau = 1.0 + jnp.sum(jnp.where(block_valid, leading, 0)) / jnp.maximum(jnp.sum(block_valid), 1)
     return per_depth, expected_tau
+
+
+def per_row_stats(student_logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array, valid: jax.Array, *,
+                  kind: str = "fkl", temperature: float = 1.0, gamma: float = 0.0) -> dict[str, jax.Array]:
+    """Per sequence (logits (B, K, D, V)): the sums that `draft_loss` and `acceptance_stats` divide, so
+    any set of rows (a kind of prompt, all of them) pools exactly (`pooled_stats`)."""
+    losses = per_position_loss(student_logits, teacher_logits, labels, kind, temperature)
+    weights = depth_weights(labels.shape[-1], gamma) * valid.astype(jnp.float32)
+    match = (jnp.argmax(student_logits, -1) == jnp.argmax(teacher_logits, -1)) & valid
+    leading = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1)  # (B, K)
+    return {"loss_sum": jnp.sum(weights * losses, axis=(1, 2)), "weight_sum": jnp.sum(weights, axis=(1, 2)),
+            "match": jnp.sum(match, axis=1), "valid": jnp.sum(valid, axis=1),
+            "leading": jnp.sum(jnp.where(valid[..., 0], leading, 0), axis=1), "blocks": jnp.sum(valid[..., 0], axis=1)}
+
+
+def pooled_stats(stats: dict[str, np.ndarray], rows: np.ndarray) -> dict:
+    """Loss, expected chain tau and per-depth acceptance over the selected rows of `per_row_stats`."""
+    pick = {k: np.asarray(v)[rows] for k, v in stats.items()}
+    return {"loss": float(pick["loss_sum"].sum() / max(pick["weight_sum"].sum(), 1e-9)),
+            "expected_tau": float(1 + pick["leading"].sum() / max(pick["blocks"].sum(), 1)),
+            "accept_per_depth": [round(float(x), 4)
+                                 for x in pick["match"].sum(0) / np.maximum(pick["valid"].sum(0), 1)],
+            "anchors": int(pick["blocks"].sum())}

@@ -50,10 +50,9 @@ def new_slot_state(cfg: qwen3.Config, num_slots: int, rows: int, dtype) -> SlotS
 
 def choose_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: float) -> jax.Array:
     """logits (B, V) -> (B,): greedy rows argmax, sampled rows from softmax(logits / T) (top-p filtered)."""
-    if top_p < 1.0:  # the nucleus needs a sort over the vocabulary; rows differ only in temperature
+    if top_p < 1.0:  # the nucleus needs a sort over the vocabulary, done once on the scaled logits
         t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        logits = jax.vmap(lambda x, tt: filtered_logits(x[None] * tt, SamplingConfig(1.0, 0, top_p))[0])(
-            logits.astype(jnp.float32) / t, jnp.ones_like(temperature))
+        logits = filtered_logits(logits.astype(jnp.float32) / t, SamplingConfig(1.0, 0, top_p))  # keeps the argmax
         temperature = jnp.where(temperature > 0, 1.0, 0.0)
     return sample_rows_inverse_cdf(logits, keys, temperature)
 

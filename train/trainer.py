@@ -1,11 +1,14 @@
 """The draft-head trainer: optax AdamW (warmup + cosine, clipping) on fp32 master weights, the frozen
-target as teacher computed on the fly, sharded over a (data, model) device mesh, orbax checkpoints
-that resume exactly (params, optimizer, step, data iterator)."""
+target as teacher computed on the fly, batches of length-bucketed answers from the regenerated corpus,
+sharded over a (data, model) device mesh, orbax checkpoints that resume exactly (params, optimizer,
+step, data iterator), held-out loss and acceptance per kind of prompt."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import time
@@ -16,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jetspec_jax import sharding
@@ -25,9 +29,10 @@ from jetspec_jax.models.params import init_params
 from jetspec_jax.provenance import write_json_atomic
 from jetspec_jax.target import Target
 
-from .config import TrainConfig
-from .data import batch_iterator, heldout_batches, split_heldout, training_dataset
-from .loss import acceptance_stats, draft_loss
+from .config import LossConfig, OptimConfig, TrainConfig, check_data_parallel
+from .corpus import Corpus
+from .data import MODEL_INPUTS, batch_iterator, heldout_batches, training_stream
+from .loss import draft_loss, per_row_stats, pooled_stats
 
 
 def head_config_for(cfg: TrainConfig, target_cfg: qwen3.Config) -> draft_head.DraftConfig:
@@ -36,8 +41,7 @@ def head_config_for(cfg: TrainConfig, target_cfg: qwen3.Config) -> draft_head.Dr
         attention=cfg.head.attention, intermediate_size=cfg.head.intermediate_size or None)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    o = cfg.optim
+def make_optimizer(o: OptimConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(0.0, o.learning_rate, max(o.warmup_steps, 1),
                                                   max(o.total_steps, o.warmup_steps + 1), o.learning_rate * 0.1)
     return optax.chain(optax.clip_by_global_norm(o.clip_norm),
@@ -56,17 +60,18 @@ def block_targets(tokens: jax.Array, lengths: jax.Array, anchors: jax.Array, anc
 
 def teacher(target_params, target_cfg: qwen3.Config, tokens: jax.Array, teacher_pos: jax.Array,
             tap_layers: tuple[int, ...]):
-    """The frozen target on the whole sequence: logits at the teacher positions and the taps."""
+    """The frozen target on the whole sequence: logits at the teacher positions and the taps. Causal
+    attention of the sequence over itself ("prefill": fused, no (S, S) mask or fp32 scores on GPU)."""
     b, s = tokens.shape
     cache = qwen3.new_cache(target_cfg, b, s, target_params["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     logits, taps, _ = qwen3.forward(target_params, tokens, positions, cache, target_cfg, tap_layers=tap_layers,
-                                    logits_indices=teacher_pos.reshape(b, -1))
+                                    logits_indices=teacher_pos.reshape(b, -1), attention_impl="prefill")
     return jax.lax.stop_gradient(logits.reshape(teacher_pos.shape + (-1,))), jax.lax.stop_gradient(taps)
 
 
-def forward_and_loss(head_params, target_params, batch, *, cfg: TrainConfig, head_cfg, target_cfg, dtype):
-    """Returns (loss, (student logits, teacher logits, valid)). Gradients flow to head_params only."""
+def forward_and_loss(head_params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
+    """Returns (loss, (student logits, teacher logits, labels, valid)). Gradients flow to head_params only."""
     target_params = jax.lax.stop_gradient(target_params)  # the shared embedding / LM head stay frozen
     labels, valid, teacher_pos = block_targets(batch["tokens"], batch["length"], batch["anchors"],
                                                batch["anchor_valid"], head_cfg.max_depth)
@@ -74,14 +79,51 @@ def forward_and_loss(head_params, target_params, batch, *, cfg: TrainConfig, hea
     compute_params = jax.tree.map(lambda p: p.astype(dtype), head_params)
     student = draft_head.training_logits(compute_params, target_params, target_cfg, batch["tokens"], taps,
                                          batch["anchors"], head_cfg)
-    loss = draft_loss(student, teacher_logits, labels, valid, kind=cfg.loss.kind,
-                      temperature=cfg.loss.temperature, gamma=cfg.loss.gamma)
-    return loss, (student, teacher_logits, valid)
+    loss = draft_loss(student, teacher_logits, labels, valid, kind=loss_cfg.kind,
+                      temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
+    return loss, (student, teacher_logits, labels, valid)
+
+
+def batch_token_counts(batch) -> dict[str, jax.Array]:
+    """Real tokens (the teacher's non-pad ones) and answer tokens of a global batch, summed on the device."""
+    return {"real_tokens": jnp.sum(batch["length"]), "answer_tokens": jnp.sum(batch["length"] - batch["prompt_len"])}
+
+
+# Jitted once per process for each set of static settings (hashable configs), so trainers built for
+# the same config (a resumed run, a benchmark's layouts) reuse the compiled programs.
+STATIC = ("optim", "loss_cfg", "head_cfg", "target_cfg", "dtype")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=0)
+def train_step(state, target_params, batch, *, optim: OptimConfig, loss_cfg: LossConfig, head_cfg, target_cfg,
+               dtype):
+    loss_fn = functools.partial(forward_and_loss, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg,
+                                dtype=dtype)
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
+    updates, opt_state = make_optimizer(optim).update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **batch_token_counts(batch)}
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+@functools.partial(jax.jit, static_argnames=STATIC[1:])
+def eval_stats(params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
+    _, (student, teacher_logits, labels, valid) = forward_and_loss(
+        params, target_params, batch, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg, dtype=dtype)
+    return per_row_stats(student, teacher_logits, labels, valid, kind=loss_cfg.kind,
+                         temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
+
+
+def trim_none(spec) -> tuple:
+    spec = tuple(spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
 
 
 @dataclasses.dataclass
 class Trainer:
-    """Holds the jitted step/eval functions and the device placement for one config and target."""
+    """The device placement and static settings of one config and target, around train_step / eval_stats."""
 
     cfg: TrainConfig
     target: Target
@@ -91,72 +133,76 @@ class Trainer:
         self.head_cfg = head_config_for(self.cfg, self.target.cfg)
         draft_head.check_pairing(self.head_cfg, self.target.cfg)
         self.dtype = jnp.dtype(self.cfg.run.compute_dtype)
-        self.optimizer = make_optimizer(self.cfg)
-        specs = draft_head.param_specs(self.head_cfg)
-        self.param_shardings = sharding.param_shardings(specs, self.mesh)
+        self.optimizer = make_optimizer(self.cfg.optim)
+        # specs without trailing Nones, as jit returns them: P(None, None) and P() are the same layout but
+        # not the same cache key, and a step whose output differs from its input would compile twice
+        self.param_shardings = jax.tree.map(
+            lambda s: jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*trim_none(s.spec))),
+            sharding.param_shardings(draft_head.param_specs(self.head_cfg), self.mesh))
         self.target_params = jax.device_put(
             jax.tree.map(lambda p: p.astype(self.dtype), self.target.params),
             sharding.param_shardings(qwen3.param_specs(self.target.cfg), self.mesh))
-        loss_fn = functools.partial(forward_and_loss, cfg=self.cfg, head_cfg=self.head_cfg,
-                                    target_cfg=self.target.cfg, dtype=self.dtype)
-        self._loss_fn = loss_fn
-
-        def step(state, target_params, batch):
-            (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
-            updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-            return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-        def evaluate(params, target_params, batch):
-            loss, (student, teacher_logits, valid) = loss_fn(params, target_params, batch)
-            per_depth, tau = acceptance_stats(student, teacher_logits, valid)
-            return loss, per_depth, tau
-
-        self._step = jax.jit(step, donate_argnums=0)
-        self._evaluate = jax.jit(evaluate)
+        self.static = dict(loss_cfg=self.cfg.loss, head_cfg=self.head_cfg, target_cfg=self.target.cfg,
+                           dtype=self.dtype)
 
     def init_state(self, seed: int) -> dict[str, Any]:
-        specs = draft_head.param_specs(self.head_cfg)
-        params = jax.jit(lambda k: init_params(specs, k, jnp.float32), out_shardings=self.param_shardings)(
-            jax.random.key(seed))
-        return {"params": params, "opt_state": jax.jit(self.optimizer.init)(params), "step": jnp.int32(0)}
+        """Fresh head parameters and optimizer state, placed by their shardings (built op by op: a head is
+        small, and a jitted init would compile again for every trainer)."""
+        params = jax.device_put(init_params(draft_head.param_specs(self.head_cfg), jax.random.key(seed), jnp.float32),
+                                self.param_shardings)
+        state = {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
+        # every leaf on the mesh, as train_step returns them (a scalar left on one device would compile twice)
+        return jax.device_put(state, jax.tree.map(lambda x: x.sharding if isinstance(
+            x.sharding, jax.sharding.NamedSharding) else sharding.replicated(self.mesh), state))
 
-    def place_batch(self, local_batch: dict[str, np.ndarray], replicate: bool = False) -> dict[str, jax.Array]:
-        """Splits the batch over the data axis (each process gives its local part); held-out batches
-        of any size are replicated instead."""
-        if replicate:
-            return jax.device_put({k: np.asarray(v) for k, v in local_batch.items()},
-                                  sharding.replicated(self.mesh))
-        return {k: jax.make_array_from_process_local_data(sharding.batch_sharding(self.mesh, np.ndim(v)),
-                                                          np.asarray(v))
-                for k, v in local_batch.items()}
+    def place_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Splits the batch's model inputs over the data axis (each process gives its local rows)."""
+        return {k: jax.make_array_from_process_local_data(sharding.batch_sharding(self.mesh, np.ndim(local_batch[k])),
+                                                          np.asarray(local_batch[k]))
+                for k in MODEL_INPUTS}
 
     def train_step(self, state, batch):
         with jax.set_mesh(self.mesh):
-            return self._step(state, self.target_params, self.place_batch(batch))
+            return train_step(state, self.target_params, self.place_batch(batch), optim=self.cfg.optim, **self.static)
 
-    def evaluate(self, params, batches) -> dict[str, Any]:
-        losses, depths, taus, weights = [], [], [], []
+    def evaluate(self, params, batches: list[dict]) -> dict[str, Any]:
+        """Held-out loss, expected chain tau and per-depth acceptance, over all rows and per kind of prompt.
+        Every process holds every held-out batch and gives its own rows of each."""
+        rows, kinds = collections.defaultdict(list), []
+        index, count = jax.process_index(), jax.process_count()
         with jax.set_mesh(self.mesh):
             for batch in batches:
-                loss, per_depth, tau = self._evaluate(params, self.target_params,
-                                                      self.place_batch(batch, replicate=True))
-                losses.append(float(loss))
-                depths.append(np.asarray(per_depth))
-                taus.append(float(tau))
-                weights.append(len(batch["tokens"]))
-        w = np.asarray(weights, np.float64) / sum(weights)
-        return {"eval_loss": float(np.dot(w, losses)), "eval_expected_tau": float(np.dot(w, taus)),
-                "eval_accept_per_depth": [round(float(x), 4) for x in np.tensordot(w, np.stack(depths), 1)]}
+                per = len(batch["tokens"]) // count
+                local = {k: v[index * per:(index + 1) * per] for k, v in batch.items()}
+                stats = eval_stats(params, self.target_params, self.place_batch(local), **self.static)
+                stats = jax.device_get(stats) if count == 1 else multihost_utils.process_allgather(stats, tiled=True)
+                for k, v in stats.items():
+                    rows[k].append(np.asarray(v))
+                kinds.extend(batch["kind"].tolist())
+        stats = {k: np.concatenate(v) for k, v in rows.items()}
+        kinds = np.asarray(kinds)
+        overall = pooled_stats(stats, kinds != "")
+        by_kind = {kind: {**pooled_stats(stats, kinds == kind), "answers": int(np.sum(kinds == kind))}
+                   for kind in sorted(set(kinds.tolist()) - {""})}
+        return {"eval_loss": overall["loss"], "eval_expected_tau": overall["expected_tau"],
+                "eval_accept_per_depth": overall["accept_per_depth"], "eval_answers": int(np.sum(kinds != "")),
+                "eval_by_kind": by_kind}
+
+
+def corpus_fingerprint(corpus: Corpus) -> str:
+    """The corpus's identity: its prompts and answer shards as the manifest hashes them."""
+    m = corpus.manifest
+    ids = [m["prompts_sha256"]] + [shard["sha256"] for shard in m["shards"]]
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 class Checkpoints:
-    """orbax CheckpointManager around (train state, data-iterator state, run metadata)."""
+    """orbax CheckpointManager around (train state, data-iterator state and counters, run metadata)."""
 
-    def __init__(self, directory: str, cfg: TrainConfig, target_cfg: qwen3.Config):
+    def __init__(self, directory: str, cfg: TrainConfig, target_cfg: qwen3.Config, corpus: str):
         self.fingerprint = cfg.fingerprint()
         self.target = repr(target_cfg)
+        self.corpus = corpus
         self.cfg = cfg
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep_checkpoints,
                                                save_interval_steps=cfg.run.checkpoint_every,
@@ -167,23 +213,25 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict, force: bool = False) -> None:
-        meta = {"fingerprint": self.fingerprint, "target": self.target, "config": self.cfg.to_dict(),
-                "step": step}
+        meta = {"fingerprint": self.fingerprint, "target": self.target, "corpus": self.corpus,
+                "config": self.cfg.to_dict(), "step": step}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         data=ocp.args.JsonSave(data_state),
                                                         meta=ocp.args.JsonSave(meta)), force=force)
 
     def restore(self, step: int, abstract_state):
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        where = f"checkpoint at step {step} in {self.manager.directory}"
         if meta["target"] != self.target:
-            raise ValueError(f"checkpoint at step {step} in {self.manager.directory} trains a head for another "
-                             f"target ({meta['target']}), not {self.target}; set run.target to that model "
-                             "or use a new run.name")
+            raise ValueError(f"{where} trains a head for another target ({meta['target']}), not {self.target}; set "
+                             "run.target to that model or use a new run.name")
         if meta["fingerprint"] != self.fingerprint:
             raise ValueError(
-                f"checkpoint at step {step} in {self.manager.directory} was made with another config "
-                f"(fingerprint {meta['fingerprint']} != {self.fingerprint}); use a new run.name or run.out_dir, "
-                "or restore the config it was trained with")
+                f"{where} was made with another config (fingerprint {meta['fingerprint']} != {self.fingerprint}); "
+                "use a new run.name or run.out_dir, or restore the config it was trained with")
+        if meta.get("corpus") != self.corpus:
+            raise ValueError(f"{where} was trained on another corpus ({meta.get('corpus')} != {self.corpus}): its "
+                             "data order would not continue; use a new run.name or the corpus it was trained on")
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return restored["state"], restored["data"]
@@ -213,35 +261,54 @@ def truncate_metrics(path: str, last_step: int) -> None:
 
 
 def check_batch_size(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> None:
-    """The batch splits evenly over the data-parallel devices and processes (checked before the target loads)."""
-    data_parallel = mesh.shape[sharding.DATA_AXIS]
-    if cfg.optim.batch_size % data_parallel or cfg.optim.batch_size % jax.process_count():
-        raise ValueError(f"optim.batch_size={cfg.optim.batch_size} must be a multiple of the {data_parallel} "
-                         f"data-parallel devices and of {jax.process_count()} processes")
+    """Every bucket's rows split evenly over the data-parallel devices and processes (checked before the
+    target loads)."""
+    check_data_parallel(cfg, mesh.shape[sharding.DATA_AXIS], jax.process_count())
 
 
-def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
+class TokenCounter:
+    """Real and answer tokens trained on: per-step device sums, fetched only where the loop waits anyway
+    (a log line, a checkpoint), so counting never stalls the device."""
+
+    def __init__(self, seen: dict | None = None):
+        self.pending: list[dict] = []
+        self.seen = {"real_tokens": 0, "answer_tokens": 0, "padded_tokens": 0, **(seen or {})}
+        self.window = dict.fromkeys(self.seen, 0)
+
+    def add(self, metrics: dict, padded_tokens: int) -> None:
+        self.pending.append({"real_tokens": metrics["real_tokens"], "answer_tokens": metrics["answer_tokens"]})
+        self.window["padded_tokens"] += padded_tokens
+        self.seen["padded_tokens"] += padded_tokens
+
+    def flush(self) -> None:
+        for counts in jax.device_get(self.pending):
+            for k, v in counts.items():
+                self.window[k] += int(v)
+                self.seen[k] += int(v)
+        self.pending = []
+
+    def take_window(self) -> dict:
+        self.flush()
+        window, self.window = self.window, dict.fromkeys(self.seen, 0)
+        return window
+
+
+def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
           stop_after: int | None = None, on_step: Callable[[int, dict], None] | None = None) -> dict:
-    """Trains (resuming from the run directory's latest checkpoint) and exports the head.
+    """Trains on `corpus.answers("train")` (resuming from the run directory's latest checkpoint), measures
+    on `corpus.answers("heldout")` every run.eval_every steps, and exports the head.
     `stop_after` ends the process early without a final save (used to test kill-and-resume)."""
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     os.makedirs(run_dir, exist_ok=True)
     mesh = sharding.make_mesh(cfg.run.mesh_model) if mesh is None else mesh
     check_batch_size(cfg, mesh)
+    buckets = cfg.buckets()
+    stream = training_stream(corpus.answers("train"), buckets, mixture=cfg.data.mixture, seed=cfg.run.seed,
+                             process_index=jax.process_index(), process_count=jax.process_count())
+    eval_batches = heldout_batches(corpus.answers("heldout"), buckets, per_kind=cfg.run.eval_answers_per_kind,
+                                   seed=cfg.run.seed)
     trainer = Trainer(cfg, target, mesh)
-    global_batch = cfg.optim.batch_size
-    usable = [r for r in records if len(r["prompt_ids"]) < cfg.data.seq_len - 1 and r["completion_ids"]]
-    if not usable:
-        raise ValueError(f"none of the {len(records)} records has a completion within data.seq_len="
-                         f"{cfg.data.seq_len} tokens; raise data.seq_len")
-    train_records, heldout = split_heldout(usable, cfg.data.heldout_fraction, cfg.run.seed)
-    ds = training_dataset(train_records, seq_len=cfg.data.seq_len, anchors_per_seq=cfg.data.anchors_per_seq,
-                          batch_size=global_batch // jax.process_count(), seed=cfg.run.seed,
-                          process_index=jax.process_index(), process_count=jax.process_count())
-    eval_batches = heldout_batches(heldout, seq_len=cfg.data.seq_len, anchors_per_seq=cfg.data.anchors_per_seq,
-                                   batch_size=min(global_batch, max(len(heldout), 1)),
-                                   num_sequences=cfg.run.eval_sequences, seed=cfg.run.seed)
-    ckpt = Checkpoints(os.path.join(run_dir, "checkpoints"), cfg, target.cfg)
+    ckpt = Checkpoints(os.path.join(run_dir, "checkpoints"), cfg, target.cfg, corpus_fingerprint(corpus))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     state = trainer.init_state(cfg.run.seed)
     data_state = None
@@ -253,35 +320,53 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
     else:
         start = 0
         write_json_atomic(os.path.join(run_dir, "config.json"), cfg.to_dict())
-    batches = batch_iterator(ds, data_state)
-    tokens_per_step = global_batch * cfg.data.seq_len
+    write_json_atomic(os.path.join(run_dir, "data_plan.json"), {
+        "corpus": corpus_fingerprint(corpus), "corpus_dir": os.path.abspath(corpus.out_dir),
+        "buckets": [b._asdict() for b in buckets], **stream.plan,
+        "heldout_answers_per_kind": dict(collections.Counter(
+            kind for b in eval_batches for kind in b["kind"].tolist() if kind))})
+    batches = batch_iterator(stream.dataset, data_state and data_state["iterator"])
+    counter = TokenCounter(data_state and data_state["tokens_seen"])
+    rows_of = {b.length: b.rows for b in buckets}
+
+    def data_state_now():
+        counter.flush()
+        return {"iterator": batches.get_state(), "tokens_seen": dict(counter.seen)}
+
     bar = tqdm(total=cfg.optim.total_steps, initial=start, desc=cfg.run.name, dynamic_ncols=True)
     t_start = t_last = time.perf_counter()
-    steps_since_log, last_eval, step = 0, {}, start
+    last_eval, step = {}, start
     while step < cfg.optim.total_steps:
         step += 1
-        state, metrics = trainer.train_step(state, next(batches))
-        steps_since_log += 1
+        batch = next(batches)
+        state, metrics = trainer.train_step(state, batch)
+        counter.add(metrics, rows_of[batch["tokens"].shape[1]] * batch["tokens"].shape[1])
         stop_early = ((cfg.run.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.run.max_minutes)
                       or 0 < cfg.run.max_steps <= step)
         last = step == cfg.optim.total_steps or stop_early
         if step % cfg.run.log_every == 0 or last or on_step is not None:
-            loss = float(metrics["loss"])  # waits for the step: the rate below is device-bound
+            loss = float(metrics["loss"])  # waits for the step: the rates below are device-bound
             now = time.perf_counter()
+            window, seconds = counter.take_window(), max(now - t_last, 1e-9)
             row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                   "tokens_per_s": tokens_per_step * steps_since_log / max(now - t_last, 1e-9),
-                   "tokens_seen": step * tokens_per_step, "train_seconds": now - t_start}
-            t_last, steps_since_log = now, 0
+                   "tokens_per_s": window["real_tokens"] / seconds,
+                   "answer_tokens_per_s": window["answer_tokens"] / seconds,
+                   "padded_tokens_per_s": window["padded_tokens"] / seconds,
+                   "pad_fraction": 1 - window["real_tokens"] / max(window["padded_tokens"], 1),
+                   "tokens_seen": counter.seen["real_tokens"], "answer_tokens_seen": counter.seen["answer_tokens"],
+                   "train_seconds": now - t_start}
             if eval_batches and (step % cfg.run.eval_every == 0 or last):
                 last_eval = trainer.evaluate(state["params"], eval_batches)
                 row.update(last_eval)
+            t_last = time.perf_counter()  # the eval's time is not the training rate's
             append_jsonl(metrics_path, row)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             tau=f"{last_eval.get('eval_expected_tau', float('nan')):.2f}")
             if on_step is not None:
                 on_step(step, row)
         bar.update(1)
-        ckpt.save(step, state, batches.get_state())
+        if ckpt.manager.should_save(step):
+            ckpt.save(step, state, data_state_now())
         if stop_after is not None and step >= stop_after:
             ckpt.wait()
             ckpt.close()
@@ -291,17 +376,19 @@ def train(cfg: TrainConfig, target: Target, records: list[dict], *, mesh=None,
             break
     ckpt.wait()
     if step not in ckpt.manager.all_steps():
-        ckpt.save(step, state, batches.get_state(), force=True)
+        ckpt.save(step, state, data_state_now(), force=True)
         ckpt.wait()
     ckpt.close()
     bar.close()
-    summary = {"steps": step, "tokens_seen": step * tokens_per_step, "mesh": dict(mesh.shape),
+    counter.flush()
+    summary = {"steps": step, "tokens_seen": counter.seen["real_tokens"],
+               "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
                "devices": [d.device_kind for d in mesh.devices.flat],
                "train_seconds_this_run": time.perf_counter() - t_start, **last_eval}
     if cfg.run.export_head:
         params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), state["params"])
         save_head(cfg.run.export_head, trainer.head_cfg, params,
                   metadata={"config": json.dumps(cfg.to_dict()), "summary": json.dumps(summary),
-                            "target": target.name}, target=target)
+                            "target": target.name, "corpus": corpus_fingerprint(corpus)}, target=target)
         summary["exported_head"] = cfg.run.export_head
     return summary

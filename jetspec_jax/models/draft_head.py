@@ -13,6 +13,7 @@ block slots are never cached.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -286,18 +287,78 @@ def _depth_logits(params, target_params, target_cfg: qwen3.Config, x: jax.Array,
     return qwen3.lm_logits(target_params, hidden, target_cfg)
 
 
+# The training path's context scores (rows x heads x block queries x context keys, fp32) per anchor
+# chunk: 1 GiB. Longer sequences run more chunks, recomputed in the backward pass, instead of holding
+# scores quadratic in length (8 rows of 4,608 tokens with 346 anchors each: 6.8 GiB per layer at once).
+TRAINING_SCORES_PER_CHUNK = 1 << 28
+
+
+def anchored_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
+                             anchors: jax.Array, block_mask: jax.Array) -> jax.Array:
+    """Attention of K blocks at once: block j's slots see the context positions < anchors[j] and the
+    slots of their own block that block_mask (blk, blk) allows, in one softmax (fp32), never another
+    block. q (B, K, blk, H, hd), k/v (B, K, blk, Hkv, hd), ctx_k/ctx_v (B, S, Hkv, hd), anchors (B, K)
+    -> (B, K, blk, H, hd). The two key sets are scored apart (no K x K block mask) and merged by their
+    maxima and sums, as flash attention merges key tiles."""
+    b, nk, blk, h, hd = q.shape
+    hkv, s = k.shape[3], ctx_k.shape[1]
+    scale = 1.0 / math.sqrt(hd)
+    q = q.reshape(b, nk, blk, hkv, h // hkv, hd)
+    ctx_scores = jnp.einsum("bnqkgd,bskd->bnkgqs", q, ctx_k, preferred_element_type=jnp.float32) * scale
+    ctx_visible = jnp.arange(s)[None, None, :] < anchors[:, :, None]  # (B, K, S)
+    ctx_scores = jnp.where(ctx_visible[:, :, None, None, None, :], ctx_scores, -jnp.inf)
+    own_scores = jnp.einsum("bnqkgd,bnskd->bnkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    own_scores = jnp.where(block_mask, own_scores, -jnp.inf)  # every slot sees itself: a finite maximum
+    peak = jax.lax.stop_gradient(jnp.maximum(jnp.max(ctx_scores, axis=-1), jnp.max(own_scores, axis=-1)))[..., None]
+    ctx_p, own_p = jnp.exp(ctx_scores - peak), jnp.exp(own_scores - peak)
+    total = jnp.sum(ctx_p, axis=-1) + jnp.sum(own_p, axis=-1)  # (B, K, Hkv, G, blk)
+    out = (jnp.einsum("bnkgqs,bskd->bnqkgd", ctx_p.astype(ctx_v.dtype), ctx_v, preferred_element_type=jnp.float32)
+           + jnp.einsum("bnkgqs,bnskd->bnqkgd", own_p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+    out = out / jnp.moveaxis(total, -1, 2)[..., None]
+    return out.reshape(b, nk, blk, h, hd).astype(q.dtype)
+
+
+def anchored_block_attention_chunked(q, k, v, ctx_k, ctx_v, anchors, block_mask, anchors_per_chunk: int):
+    """`anchored_block_attention` over chunks of at most `anchors_per_chunk` anchors (as few chunks as that
+    allows, evened out) in a loop, each chunk's scores recomputed in the backward pass instead of stored,
+    so memory holds one chunk's scores."""
+    nk = q.shape[1]
+    if nk <= anchors_per_chunk:
+        return anchored_block_attention(q, k, v, ctx_k, ctx_v, anchors, block_mask)
+    chunks = -(-nk // anchors_per_chunk)
+    anchors_per_chunk = -(-nk // chunks)
+    pad = chunks * anchors_per_chunk - nk
+
+    def split(x):  # (B, K, ...) -> (chunks, B, anchors_per_chunk, ...); padded anchors are dropped after
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(x.shape[0], chunks, anchors_per_chunk, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        q_c, k_c, v_c, a_c = args
+        return anchored_block_attention(q_c, k_c, v_c, ctx_k, ctx_v, a_c, block_mask)
+
+    out = jax.lax.map(one_chunk, (split(q), split(k), split(v), split(anchors)))
+    out = jnp.moveaxis(out, 0, 1)
+    return out.reshape(out.shape[0], chunks * anchors_per_chunk, *out.shape[3:])[:, :nk]
+
+
 def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
-                    tokens: jax.Array, taps: jax.Array, anchors: jax.Array, cfg: DraftConfig) -> jax.Array:
+                    tokens: jax.Array, taps: jax.Array, anchors: jax.Array, cfg: DraftConfig, *,
+                    anchors_per_chunk: int | None = None) -> jax.Array:
     """The inference computation for K blocks per sequence at once (training and held-out eval).
 
     tokens (B, S), taps (B, S, n_taps, D_target) of the target on the same sequence, anchors (B, K).
     Block k is [tokens[a_k], MASK...] at positions a_k + i; it sees the context of positions < a_k
     (exactly what inference has when a_k is the newest committed token) and its own slots under the
     configured pattern, never other blocks. Returns fp32 logits (B, K, block-1, V) for depths 1..D.
+    Memory is linear in S and K: the context attention runs over chunks of `anchors_per_chunk`
+    anchors (default: TRAINING_SCORES_PER_CHUNK context scores per chunk over the batch and heads).
     """
     b, s = tokens.shape
     k, blk = anchors.shape[1], cfg.block_size
-    inv_freq = qwen3.rope_inverse_frequencies(cfg.layer_config())
+    layer_cfg = cfg.layer_config()
+    inv_freq = qwen3.rope_inverse_frequencies(layer_cfg)
     fused = fuse_taps(params, taps, cfg)
     ctx_cos, ctx_sin = qwen3.rope_tables(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), inv_freq)
     anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)  # (B, K)
@@ -305,14 +366,16 @@ def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any],
     x = x.reshape(b, k * blk, -1)
     positions = (anchors[:, :, None] + jnp.arange(blk, dtype=jnp.int32)).reshape(b, k * blk)
     cos, sin = qwen3.rope_tables(positions, inv_freq)
-    ctx_visible = jnp.arange(s)[None, None, :] < anchors[:, :, None]  # (B, K, S)
-    ctx_visible = jnp.repeat(ctx_visible, blk, axis=1)  # (B, K*blk, S)
-    same_block = jnp.arange(k)[:, None, None, None] == jnp.arange(k)[None, None, :, None]  # (K,1,K,1)
-    pattern = jnp.asarray(cfg.block_mask())[None, :, None, :]  # (1, blk, 1, blk)
-    block_visible = (same_block & pattern).reshape(k * blk, k * blk)
-    mask = jnp.concatenate([ctx_visible, jnp.broadcast_to(block_visible, (b, k * blk, k * blk))], axis=2)
+    block_mask = jnp.asarray(cfg.block_mask())
+    if anchors_per_chunk is None:
+        anchors_per_chunk = max(1, TRAINING_SCORES_PER_CHUNK // (b * cfg.num_heads * blk * s))
     for layer in params["layers"]:
         ctx_k, ctx_v = context_kv(layer, fused, ctx_cos, ctx_sin, cfg)
-        x = head_layer(x, layer, ctx_k, ctx_v, mask, cos, sin, cfg)
+        q, bk, bv = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
+        per_block = lambda t: t.reshape(b, k, blk, *t.shape[2:])  # noqa: E731
+        attn = anchored_block_attention_chunked(per_block(q), per_block(bk).astype(ctx_k.dtype),
+                                                per_block(bv).astype(ctx_v.dtype), ctx_k, ctx_v, anchors,
+                                                block_mask, anchors_per_chunk)
+        x = qwen3.finish_layer(x, attn.reshape(b, k * blk, *attn.shape[3:]).astype(q.dtype), layer, layer_cfg, 0)
     hidden = qwen3.rms_norm(x.reshape(b, k, blk, -1)[:, :, 1:], params["final_norm"], cfg.rms_norm_eps)
     return qwen3.lm_logits(target_params, hidden, target_cfg)
