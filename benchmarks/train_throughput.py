@@ -176,7 +176,8 @@ def main():
     mesh = sharding.make_mesh(cfg.run.mesh_model)
     with tempfile.TemporaryDirectory() as tmp:
         if args.corpus:
-            corpus, corpus_info = Corpus(args.corpus), {"dir": os.path.abspath(args.corpus)}
+            corpus = Corpus(args.corpus, require_complete=False)  # a part of a corpus times the same
+            corpus_info = {"dir": os.path.abspath(args.corpus), "complete": corpus.manifest["complete"]}
         else:
             corpus = synthetic_corpus(tmp, prompts=args.prompts, answers_per_prompt=len(cfg.data.answer_temperatures),
                                       max_prompt_tokens=cfg.data.max_prompt_tokens,
