@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--per-source", type=int, default=100, help="prompts per training source (end to end)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
     p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--cache-tokens", type=int, default=1 << 21)
+    p.add_argument("--cache-gib", type=float, default=45.0, help="the slots' KV cache (45: 2M rows of the embedded model)")
     p.add_argument("--chunk-steps", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
@@ -159,7 +159,7 @@ def main() -> None:
     if not args.skip_end_to_end:
         cfg = DataConfig(answer_temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
                          max_answer_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                         regen_batch_size=args.batch_size, regen_cache_tokens=args.cache_tokens,
+                         regen_batch_size=args.batch_size, regen_cache_gib=args.cache_gib,
                          regen_chunk_steps=args.chunk_steps, regen_shard_answers=1 << 14)
         prompts = load_regeneration_prompts(args.data_dir, {name: args.per_source for name in SOURCES}, seed=0)
         out_dir = args.keep_corpus or tempfile.mkdtemp(prefix="regen-bench-")

@@ -29,7 +29,7 @@ PROMPTS = [
     {"source": "long_context_qmsum", "id": "q", "kind": "long_context", "prompt": LONG},
 ]
 SETTINGS = DataConfig(answer_temperatures=[0.0, 1.0], max_new_tokens=8, max_answer_tokens=8, max_prompt_tokens=256,
-                      regen_batch_size=3, regen_cache_tokens=4096, regen_chunk_steps=3, regen_shard_answers=3)
+                      regen_batch_size=3, regen_cache_gib=0.25, regen_chunk_steps=3, regen_shard_answers=3)
 
 
 def write_jsonl(path, rows, compress=False):
@@ -233,8 +233,8 @@ def test_damaged_corpus_is_named(greedy_and_sampled, tmp_path):
 def test_settings_errors(embedded_target, tmp_path):
     with pytest.raises(InputError, match="max_prompt_tokens.*positions"):
         regenerate(embedded_target, PROMPTS, str(tmp_path / "x"), dataclasses.replace(SETTINGS, max_prompt_tokens=8190))
-    with pytest.raises(InputError, match="regen_cache_tokens.*cannot hold"):
-        regenerate(embedded_target, PROMPTS, str(tmp_path / "y"), dataclasses.replace(SETTINGS, regen_cache_tokens=64))
+    with pytest.raises(InputError, match=r"regen_cache_gib \(0.001\) cannot hold.*GiB"):
+        regenerate(embedded_target, PROMPTS, str(tmp_path / "y"), dataclasses.replace(SETTINGS, regen_cache_gib=0.001))
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
 
 

@@ -41,8 +41,8 @@ class DataConfig:
     max_prompt_tokens: int = 4096  # longer prompts are skipped (counted in the manifest)
     max_new_tokens: int = 512  # every answer may run this long
     max_answer_tokens: int = 512  # an unfinished answer goes on up to this where its slot's cache rows allow
-    regen_batch_size: int = 256  # sequences decoding at once (fewer for long prompts: regen_cache_tokens)
-    regen_cache_tokens: int = 1 << 20  # cache rows over all decoding sequences, which bounds their memory
+    regen_batch_size: int = 256  # sequences decoding at once (fewer for long prompts: regen_cache_gib)
+    regen_cache_gib: float = 16.0  # the decoding sequences' KV cache, GiB: long prompts get fewer slots
     regen_chunk_steps: int = 16  # decode steps per device call; finished rows are refilled between calls
     regen_shard_answers: int = 4096  # answers per shard file
     regen_max_minutes: float = 0.0  # > 0: stop regenerating cleanly after this long (resume later)
@@ -154,7 +154,7 @@ _NOT_EMPTY = (lambda v: bool(v.strip()), "a non-empty string")
 # section.key -> (check, what the value must be); unlisted keys take any value of their type.
 LIMITS = {
     "data.max_new_tokens": _at_least(1), "data.max_answer_tokens": _at_least(1),
-    "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "data.regen_cache_tokens": _at_least(64),
+    "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "data.regen_cache_gib": _POSITIVE,
     "data.regen_batch_size": _at_least(1), "data.max_prompt_tokens": _at_least(1),
     "data.regen_chunk_steps": _at_least(1), "data.regen_shard_answers": _at_least(1),
     "data.regen_max_minutes": _at_least(0),

@@ -71,9 +71,20 @@ def check_settings(cfg: DataConfig, target: Target) -> None:
         raise InputError(f"data.max_prompt_tokens ({cfg.max_prompt_tokens}) + data.max_new_tokens "
                          f"({cfg.max_new_tokens}) exceeds the target's {positions} positions; lower either")
     rows = -(-(prompt_buckets(cfg.max_prompt_tokens)[-1] + cfg.max_new_tokens) // 64) * 64
-    if cfg.regen_cache_tokens < rows:
-        raise InputError(f"data.regen_cache_tokens ({cfg.regen_cache_tokens}) cannot hold one sequence of the "
-                         f"longest prompts ({rows} rows); raise it or lower data.max_prompt_tokens")
+    if cache_rows(cfg, target) < rows:
+        need = rows * kv_bytes_per_row(target) / 2**30
+        raise InputError(f"data.regen_cache_gib ({cfg.regen_cache_gib}) cannot hold one sequence of the longest "
+                         f"prompts ({rows} rows, {need:.3g} GiB); raise it or lower data.max_prompt_tokens")
+
+
+def kv_bytes_per_row(target: Target) -> int:
+    c = target.cfg
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * target.params["embed"].dtype.itemsize
+
+
+def cache_rows(cfg: DataConfig, target: Target) -> int:
+    """KV cache rows over all slots that data.regen_cache_gib holds for this target."""
+    return int(cfg.regen_cache_gib * 2**30 // kv_bytes_per_row(target))
 
 
 def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataConfig, *, seed: int = 0,
@@ -128,7 +139,8 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
     start, seconds_before = time.perf_counter(), writer.manifest["seconds"]
     session = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "answers": 0,
                "completion_tokens": 0, "environment": environment(), "batch_size": cfg.regen_batch_size,
-               "cache_tokens": cfg.regen_cache_tokens, "chunk_steps": cfg.regen_chunk_steps, "buckets": []}
+               "cache_gib": cfg.regen_cache_gib,
+               "cache_rows": cache_rows(cfg, target), "chunk_steps": cfg.regen_chunk_steps, "buckets": []}
     progress = tqdm(total=total, unit="answer", desc="regenerate", dynamic_ncols=True)
 
     def on_answer(job: Job, tokens: list[int], finished: bool) -> None:
@@ -146,7 +158,7 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
         if not jobs or time.perf_counter() > deadline:
             continue
         rows = bucket_rows(width, cfg)
-        slots = max(1, min(cfg.regen_batch_size, cfg.regen_cache_tokens // rows))
+        slots = max(1, min(cfg.regen_batch_size, session["cache_rows"] // rows))
         # small groups keep few slots waiting for admission; each group is one prefill call
         admit_rows = max(1, min(slots, max(slots // 32, 8), ADMIT_TOKENS // width))
         stats = run_bucket(target.params, target.cfg, jobs, prompt_ids, width=width, rows=rows, num_slots=slots,
