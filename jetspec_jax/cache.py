@@ -5,12 +5,12 @@ them on (`configure`); library calls leave them off unless a caller configures t
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
 import os
 import re
 import tempfile
+import time
 import warnings
 import zlib
 from typing import Any
@@ -235,26 +235,47 @@ def _cached(entry: str, read, what: str):
         return None
     try:
         return read(entry)
+    except FileNotFoundError:  # another process replaced it just now: absent, not damaged
+        return None
     except Exception as e:  # any failure to read an entry means: load from the file instead
         warnings.warn(f"{what} cache entry {entry} is damaged ({type(e).__name__}: {e}); rebuilding it",
                       CacheWarning, stacklevel=3)
         return None
 
 
-def _store(entry: str, save, what: str, prefix: str, suffix: str) -> None:
-    """save(entry), then removes the entries this one replaces (same file path, older version)."""
+def _store(entry: str, save, what: str) -> None:
+    """save(entry); a failure to write is a warning (the next start loads the file again)."""
     try:
         save(entry)
     except OSError as e:
         warnings.warn(f"could not write the {what} cache entry {entry} ({e}); the next start loads the file "
                       "again", CacheWarning, stacklevel=3)
+
+
+ORPHAN_SECONDS = 3600  # a temporary file untouched this long was left by a killed writer, not a running one
+
+
+def remove_stale_entries(prefix: str, key: str) -> None:
+    """Removes this file path's entries under any other key (an older version of the file or of the
+    loader: no run reads them again), of every dtype, and the temporary files of writers killed
+    mid-write (untouched for ORPHAN_SECONDS). Entries of other paths, this key's entries of other
+    dtypes and a running writer's temporary file stay."""
+    folder, stem = os.path.split(prefix)
+    name = re.escape(stem) + r"-([0-9a-f]{24})-(?:[a-z0-9]+\.safetensors|tokenizer\.json)"
+    entry, temporary = re.compile(name), re.compile(r"\.tmp-[a-z0-9_]+" + name)
+    try:
+        names = os.listdir(folder)
+    except OSError:
         return
-    for old in glob.glob(f"{glob.escape(prefix)}-*-{suffix}"):
-        if old != entry:
-            try:
-                os.unlink(old)
-            except OSError:
-                pass
+    for file in names:
+        path = os.path.join(folder, file)
+        try:
+            if (found := entry.fullmatch(file)) and found[1] != key:
+                os.unlink(path)
+            elif temporary.fullmatch(file) and time.time() - os.stat(path).st_mtime > ORPHAN_SECONDS:
+                os.unlink(path)
+        except OSError:  # removed by another process meanwhile, or not ours to remove
+            pass
 
 
 def load_gguf_target(path: str, dtype, with_tokenizer: bool = True, folder: str | None = None):
@@ -275,11 +296,14 @@ def load_gguf_target(path: str, dtype, with_tokenizer: bool = True, folder: str 
     loaded = _cached(weights_entry, lambda e: read_weights(e, dtype), "weights")
     if loaded is None:
         loaded = load_gguf(path, dtype)
-        _store(weights_entry, lambda e: save_weights(e, *loaded), "weights", prefix, weights_suffix)
+        _store(weights_entry, lambda e: save_weights(e, *loaded), "weights")
     tokenizer = None
     if with_tokenizer:
         tokenizer = _cached(tokenizer_entry, read_tokenizer, "tokenizer")
         if tokenizer is None:
             tokenizer = load_gguf_tokenizer(path)
-            _store(tokenizer_entry, lambda e: save_tokenizer(e, tokenizer), "tokenizer", prefix, tokenizer_suffix)
+            _store(tokenizer_entry, lambda e: save_tokenizer(e, tokenizer), "tokenizer")
+    # On every load, not only after a write: an entry that a killed process or a concurrent writer of
+    # another key left behind is otherwise never removed, as this key's entries are read from then on.
+    remove_stale_entries(prefix, key)
     return (*loaded, tokenizer)

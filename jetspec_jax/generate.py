@@ -4,7 +4,9 @@
     python -m jetspec_jax.generate "What is 7 * 8?" --method jetspec --head HEAD_DIR --budget 64
 
 Prompts go through the tokenizer's chat template (non-thinking), run through the jitted generator
-in one device call, and come back as texts and token ids with timing and acceptance statistics.
+in one device call, and come back as texts and token ids with timing and acceptance statistics. On a
+terminal (or with --stream) the command line instead streams each answer as its tokens commit, through
+the serving engine (serve/engine.py), one prompt after another.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jetspec_jax.target import Target, load_target
 from jetspec_jax.tree import validate_tree_settings
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, bounding the number of compilations
+STREAM_CHUNK_STEPS = 8  # streaming: decode steps per device call; each chunk's tokens print when it returns
 
 
 @dataclasses.dataclass
@@ -157,6 +160,13 @@ def decode_texts(tokenizer, token_ids: list[list[int]]) -> list[str]:
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
 
 
+def check_head_attention(spec: SpecConfig, head_cfg: draft_head.DraftConfig) -> None:
+    if isinstance(head_cfg.attention, str) and head_cfg.attention != spec.expected_attention():
+        raise ValueError(f"method {spec.method!r} expects a {spec.expected_attention()} head, but this head is "
+                         f"{head_cfg.attention}; use --method "
+                         f"{'jetspec' if head_cfg.attention == 'causal' else 'ddtree or dflash'}")
+
+
 def random_head(target: Target, attention: str, seed: int = 0):
     """An untrained head of the default shape: lossless but accepts almost nothing (tau ~ 1)."""
     cfg = draft_head.DraftConfig.for_target(target.cfg, attention=attention)
@@ -204,10 +214,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
         drafter = HeadDrafter(head_cfg, target.cfg)
         spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
                           gemm_backend=gemm_backend)
-        if isinstance(head_cfg.attention, str) and head_cfg.attention != spec.expected_attention():
-            raise ValueError(f"method {method!r} expects a {spec.expected_attention()} head, but this head is "
-                             f"{head_cfg.attention}; use --method "
-                             f"{'jetspec' if head_cfg.attention == 'causal' else 'ddtree or dflash'}")
+        check_head_attention(spec, head_cfg)
         extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                    target.cfg.max_position_embeddings, max_cache_len, extra=extra)
@@ -225,16 +232,24 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="python -m jetspec_jax.generate",
                                 description="Generate answers with the target model (default: the "
-                                            "embedded SmolLM2-135M-Instruct). The answer is printed "
-                                            "when generation ends; the whole loop runs on device.")
-    p.add_argument("prompts", nargs="+", help="one or more questions; several run as one batch")
+                                            "embedded SmolLM2-135M-Instruct). On a terminal each answer "
+                                            "streams as its tokens commit; otherwise the prompts run as "
+                                            "one batch, in one device call, and the answers are printed "
+                                            "when it ends.")
+    p.add_argument("prompts", nargs="+", help="one or more questions; several run as one batch, or one after "
+                                              "another when streaming")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory "
                                                  "(default: $JETSPEC_TARGET or the embedded model)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: the same seed gives the same answers; streaming draws its own sample "
+                        "(seed + i for the i-th prompt), not the batch's")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print each answer as its tokens commit, through the serving engine, prompts one after "
+                        "another (default: when stdout is a terminal); at temperature 0 the text is the batch's")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -310,28 +325,138 @@ def check_cli_settings(args) -> None:
         raise InputError("; ".join(problems))
 
 
+def streaming(args) -> bool:
+    """Whether this command line streams: --stream/--no-stream, else whether stdout is a terminal. A
+    setting the serving engine lacks keeps the batch path, or is an error with an explicit --stream."""
+    wanted = sys.stdout.isatty() if args.stream is None else args.stream
+    if not wanted or args.gemm_backend == "xla":
+        return wanted
+    if args.stream:
+        raise InputError(f"--stream cannot use --gemm-backend {args.gemm_backend}: the serving engine's chunks "
+                         "are compiled with XLA's GEMMs; drop one of the two")
+    print(f"note: --gemm-backend {args.gemm_backend} runs the batch path; the answers print when it ends",
+          file=sys.stderr)
+    return False
+
+
+class TerminalAnswer:
+    """An answer printed as its tokens arrive, exactly as the batch path prints `text.strip()`: the
+    whole answer is decoded each time (IncrementalText: tokenizer spacing as offline decoding gives it,
+    a character cut between tokens held back), leading whitespace is dropped and trailing whitespace is
+    held back until text follows it."""
+
+    def __init__(self, tokenizer, out):
+        from jetspec_jax.serve.detokenize import IncrementalText
+
+        self.text, self.out = IncrementalText(tokenizer), out
+        self.started, self.held = False, ""
+
+    def add(self, token_ids: list[int]) -> None:
+        self._write(self.text.add(token_ids))
+
+    def finish(self) -> str:
+        """Prints the rest and a newline; returns the whole answer as decoded."""
+        self._write(self.text.flush())
+        self.out.write("\n")
+        self.out.flush()
+        return self.text.text
+
+    def _write(self, delta: str) -> None:
+        if not self.started:
+            delta = delta.lstrip()
+            self.started = bool(delta)
+        pending = self.held + delta
+        shown = pending.rstrip()
+        self.held = pending[len(shown):]
+        if shown:
+            self.out.write(shown)
+            self.out.flush()
+
+
+def stream_answers(args, target: Target, method: str, head) -> GenerationResult:
+    """The prompts one after another through the serving engine (one slot, the batch path's cache size),
+    each answer printed as its tokens commit; at temperature 0 each is the batch path's answer."""
+    import queue
+
+    from jetspec_jax.serve.engine import Engine, EngineRequest, FinishEvent, SamplingParams, TokenEvent
+    from jetspec_jax.serve.slots import scratch_rows
+
+    prompt_ids = encode_prompts(target.tokenizer, args.prompts, chat=not args.no_chat, system_prompt=args.system)
+    spec = None
+    if method != "ar":
+        spec = SpecConfig(method, args.budget, args.width, args.max_depth, args.attention,
+                          tree_temperature=args.tree_temperature)
+        check_head_attention(spec, head[0])
+    tokens, lengths = pad_prompts(prompt_ids, pad_token(target))  # the batch path's shapes, for its cache size
+    cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), args.max_new_tokens,
+                               target.cfg.max_position_embeddings,
+                               extra=scratch_rows(spec, 0 if spec is None else spec.depth(head[0].max_depth)))
+    engine = Engine(target, head, method=method, slots=1, max_len=cache_len, budget=args.budget, width=args.width,
+                    chunk_steps=STREAM_CHUNK_STEPS, attention=args.attention, max_depth=args.max_depth,
+                    tree_temperature=args.tree_temperature)
+    texts, token_ids, forwards = [], [], 0
+    t0 = time.perf_counter()
+    try:
+        engine.start()
+        for i, (prompt, ids) in enumerate(zip(args.prompts, prompt_ids)):
+            if len(args.prompts) > 1:
+                print(f"### {prompt}", flush=True)
+            sampling = SamplingParams(args.temperature, args.top_p, args.top_k, seed=args.seed + i)
+            handle = engine.submit(EngineRequest(ids, args.max_new_tokens, sampling, request_id=str(i)))
+            answer, tokens, event = TerminalAnswer(target.tokenizer, sys.stdout), [], None
+            while not isinstance(event, FinishEvent):
+                try:  # short waits: Ctrl-C is acted on between them
+                    event = handle.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if isinstance(event, TokenEvent):
+                    tokens += event.token_ids
+                    answer.add(event.token_ids)
+            if event.reason not in ("stop", "length"):
+                raise RuntimeError(f"generation failed: {event.message or event.reason}")
+            texts.append(answer.finish())
+            token_ids.append(tokens)
+            forwards += handle.target_forwards
+    finally:
+        engine.shutdown(drain=False, timeout=5.0)
+    seconds = time.perf_counter() - t0
+    compile_s = engine.stats.snapshot()["compile_seconds_total"]
+    return GenerationResult(texts=texts, token_ids=token_ids, prompt_token_ids=prompt_ids, compile_seconds=compile_s,
+                            generate_seconds=max(seconds - compile_s, 1e-9), method=method,
+                            target_forwards=None if method == "ar" else forwards)
+
+
 def generate_command(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_cli_settings(args)
+    stream = streaming(args)
     cache.configure(args.cache_dir, enabled=not args.no_cache)
     t0 = time.perf_counter()
     target, method, head = load_for_cli(args)
     load_s = time.perf_counter() - t0
-    result = generate(args.prompts, target, method=method, head=head,
-                      budget=args.budget, width=args.width, max_depth=args.max_depth,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-                      system_prompt=args.system, attention=args.attention,
-                      tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend)
-    for prompt, text in zip(args.prompts, result.texts):
-        if len(args.prompts) > 1:
-            print(f"### {prompt}")
-        print(text.strip())
+    if stream:
+        try:
+            result = stream_answers(args, target, method, head)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+    else:
+        result = generate(args.prompts, target, method=method, head=head,
+                          budget=args.budget, width=args.width, max_depth=args.max_depth,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
+                          system_prompt=args.system, attention=args.attention,
+                          tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend)
+        for prompt, text in zip(args.prompts, result.texts):
+            if len(args.prompts) > 1:
+                print(f"### {prompt}")
+            print(text.strip())
     spec = "" if result.tau is None else (f", tau {result.tau:.2f} over {result.target_forwards} "
                                           f"verify passes, budget {args.budget}")
+    mode = "streamed" if stream else f"batch {len(args.prompts)}"
     print(f"[{jax.default_backend()}] {result.num_generated} tokens in {result.generate_seconds:.2f} s "
           f"= {result.tokens_per_second:.1f} tok/s (compile {result.compile_seconds:.1f} s, load {load_s:.1f} s, "
-          f"batch {len(args.prompts)}, {result.method}{spec})", file=sys.stderr)
+          f"{mode}, {result.method}{spec})", file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -78,6 +79,30 @@ def test_a_changed_file_replaces_its_entries(tiny_gguf, tmp_path):
         os.utime(tiny_gguf, ns=(mtime, mtime))
     after = set(os.listdir(tmp_path))
     assert len(before) == len(after) == 2 and not before & after  # weights + tokenizer, old ones removed
+
+
+def test_stale_entries_go_on_the_next_load_and_nothing_else_does(tiny_gguf, tmp_path):
+    """Entries of this file path under an older key, whatever their dtype, are removed by the next load
+    even when it writes nothing (a cache hit): such entries were left when two processes of different
+    loader versions wrote at once, or one was killed after writing, and stayed for good. This key's
+    entries, other models' (one whose name begins like this one's included), a running writer's
+    temporary file and other files stay; a killed writer's temporary file goes once it is old."""
+    cache.load_gguf_target(tiny_gguf, "float32", folder=str(tmp_path))
+    current = set(os.listdir(tmp_path))
+    [weights] = [f for f in current if f.endswith("-float32.safetensors")]
+    stem, key = weights.removesuffix("-float32.safetensors").rsplit("-", 1)
+    old = "0123456789abcdef01234567"
+    stale = [f"{stem}-{old}-{suffix}" for suffix in ("float32.safetensors", "bfloat16.safetensors", "tokenizer.json")]
+    orphan = f".tmp-k1ll3d_0{stem}-{old}-float32.safetensors"
+    kept = [f"{stem}-{key}-bfloat16.safetensors", f"other-89abcdef-{old}-float32.safetensors",
+            f"{stem}-copy-89abcdef-{old}-float32.safetensors", f".tmp-wr1t1ng0{stem}-{key}-float32.safetensors",
+            "notes.txt"]
+    for name in stale + [orphan] + kept:
+        (tmp_path / name).write_bytes(b"x")
+    long_ago = time.time() - 2 * cache.ORPHAN_SECONDS
+    os.utime(tmp_path / orphan, (long_ago, long_ago))
+    cache.load_gguf_target(tiny_gguf, "float32", folder=str(tmp_path))  # a hit: nothing is written
+    assert set(os.listdir(tmp_path)) == current | set(kept)
 
 
 def test_cache_folder_precedence(monkeypatch, tmp_path):

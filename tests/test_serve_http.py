@@ -455,3 +455,34 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(tiny):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_stops_on_one_signal_during_start_up(tiny, sig):
+    """One signal while warm-up compiles stops the server within a bound, with status 0, before it listens.
+    SIGINT is inherited as ignored, as a shell script's background job has it: such a SIGINT was lost
+    before (the server came up and served until a second one)."""
+    target, _ = tiny
+    command = [sys.executable, "-m", "jetspec_jax.serve", "--model", target.source, "--port", "0", "--slots", "2",
+               "--max-len", "128", "--dtype", "float32", "--no-cache", "--shutdown-timeout", "5"]
+    proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        deadline, log = time.monotonic() + REQUEST_TIMEOUT, []
+        while not (log and log[-1].startswith("warm-up: compiling")):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            with contextlib.suppress(queue.Empty):
+                log.append(lines.get(timeout=1))
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+        time.sleep(0.5)  # the reader thread drains the rest of stderr
+        while not lines.empty():
+            log.append(lines.get())
+        text = "".join(log)
+        assert f"{sig.name}: stopped before serving" in text and "Uvicorn running" not in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

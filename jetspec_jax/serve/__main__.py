@@ -3,13 +3,18 @@
     python -m jetspec_jax.serve                          # the embedded model and its head, port 8000
     python -m jetspec_jax.serve --model M.gguf --head HEAD_DIR --slots 16 --port 8080
 
-SIGINT/SIGTERM stop it gracefully: new requests get 503, running ones finish within
---shutdown-timeout seconds and the rest are cancelled; a second Ctrl-C quits at once."""
+SIGINT/SIGTERM stop it gracefully at any moment: during start-up (loading, warm-up) it stops there and
+exits; once serving, new requests get 503, running ones finish within --shutdown-timeout seconds and the
+rest are cancelled; a second Ctrl-C quits at once."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -78,53 +83,115 @@ def check_cli_settings(args) -> None:
         raise InputError("; ".join(problems))
 
 
-def warm_up(engine, prompt_ids: list[int]) -> float:
-    """One short request through the engine, so that the first client does not wait for compilation."""
+def warm_up(engine, prompt_ids: list[int], check=lambda: None, timeout: float = 600.0) -> float:
+    """One short request through the engine, so that the first client does not wait for compilation.
+    `check()` runs between short waits and may raise to stop waiting (StopSignals.check)."""
+    import queue
+
     from jetspec_jax.serve.engine import EngineRequest, FinishEvent
 
     t0 = time.perf_counter()
     handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, max_new_tokens=4, request_id="warmup"))
-    while not isinstance(event := handle.get(timeout=600), FinishEvent):
-        pass
+    event = None
+    while not isinstance(event, FinishEvent):
+        check()
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"warm-up request did not finish within {timeout:.0f} s")
+        with contextlib.suppress(queue.Empty):
+            event = handle.get(timeout=0.2)
     if event.reason == "error":
         raise RuntimeError(f"warm-up request failed: {event.message}")
     return time.perf_counter() - t0
 
 
+class StopRequested(Exception):
+    """A SIGINT or SIGTERM came during start-up."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM during start-up, until uvicorn installs its own handlers (and after it restores
+    these), are recorded and acted on at `check()`, which start-up calls between its steps and while it
+    waits for warm-up; a second signal ends the process at once. The handler raises nothing itself:
+    Python runs it between any two bytecodes, garbage-collection callbacks included, which print and
+    drop an exception (in tries a raised KeyboardInterrupt was lost so, and one caught after it hit an
+    import still left the exit status at SIGINT's). SIGINT is taken over even where it was inherited as
+    ignored, as a shell script's background job has it: uvicorn takes it over once it serves, and a
+    SIGINT during start-up was lost before."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: str | None = None  # the first signal's name
+        self.exiting = False  # set once the command is past stopping: any signal ends it at once
+        self.previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # only it may install handlers
+            self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, sig, frame) -> None:
+        if self.received or self.exiting:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        self.received = signal.Signals(sig).name
+
+    def check(self) -> None:
+        if self.received:
+            raise StopRequested(self.received)
+
+
 def serve_command(argv: Sequence[str] | None = None) -> int:
-    import uvicorn
-
-    from jetspec_jax.generate import encode_prompts
-    from jetspec_jax.serve.engine import Engine
-    from jetspec_jax.serve.http_server import GracefulServer, create_app
-
     args = build_parser().parse_args(argv)
     check_cli_settings(args)
-    cache.configure(args.cache_dir, enabled=not args.no_cache)
-    target, method, head = load_for_cli(args)
-    if target.tokenizer is None:
-        raise InputError(f"{target.source} has no tokenizer; the server needs one to read and write text")
-    engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len, budget=args.budget,
-                    width=args.width, chunk_steps=args.chunk_steps, max_queue=args.max_queue,
-                    cost_table=args.cost_table, min_batch=args.min_batch).start()
-    try:
-        if not args.no_warmup:
-            seconds = warm_up(engine, encode_prompts(target.tokenizer, ["Hello"])[0])
-            print(f"warm-up (compilation) took {seconds:.1f} s", file=sys.stderr)
-        name = args.served_model_name or target.name
-        app = create_app(engine, target.tokenizer, name, default_max_tokens=args.default_max_tokens,
-                         shutdown_timeout=args.shutdown_timeout)
-        # uvicorn's own deadline is a backstop behind the engine's, which answers what it cancels.
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.shutdown_timeout + 10)
-        print(f"serving {name!r} ({method}, {args.slots} slots) on http://{args.host}:{args.port}/v1",
-              file=sys.stderr)
-        server = GracefulServer(config)
-        server.run()
-    finally:
-        # The app's shutdown stops the engine; a forced exit (second Ctrl-C) or a failure before it
-        # ran leaves it running, and its requests are cancelled here.
-        engine.shutdown(drain=False, timeout=5.0)
+    engine = None
+    with StopSignals() as signals:
+        try:
+            import uvicorn
+
+            from jetspec_jax.generate import encode_prompts
+            from jetspec_jax.serve.engine import Engine
+            from jetspec_jax.serve.http_server import GracefulServer, create_app
+
+            signals.check()
+            cache.configure(args.cache_dir, enabled=not args.no_cache)
+            target, method, head = load_for_cli(args)
+            if target.tokenizer is None:
+                raise InputError(f"{target.source} has no tokenizer; the server needs one to read and write text")
+            signals.check()
+            engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len,
+                            budget=args.budget, width=args.width, chunk_steps=args.chunk_steps,
+                            max_queue=args.max_queue, cost_table=args.cost_table, min_batch=args.min_batch)
+            engine.start()
+            if not args.no_warmup:
+                print("warm-up: compiling the first programs", file=sys.stderr)
+                seconds = warm_up(engine, encode_prompts(target.tokenizer, ["Hello"])[0], signals.check)
+                print(f"warm-up (compilation) took {seconds:.1f} s", file=sys.stderr)
+            name = args.served_model_name or target.name
+            app = create_app(engine, target.tokenizer, name, default_max_tokens=args.default_max_tokens,
+                             shutdown_timeout=args.shutdown_timeout)
+            # uvicorn's own deadline is a backstop behind the engine's, which answers what it cancels.
+            config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.shutdown_timeout + 10)
+            print(f"serving {name!r} ({method}, {args.slots} slots) on http://{args.host}:{args.port}/v1",
+                  file=sys.stderr)
+            signals.check()
+            # While it serves, its handlers replace ours and its first signal drains; one that reached ours
+            # just before is passed on at its first tick.
+            GracefulServer(config, stop_requested=lambda: signals.received is not None).run()
+            signals.exiting = True
+        except StopRequested as e:
+            signals.exiting = True
+            print(f"{e}: stopped before serving", file=sys.stderr)
+        finally:
+            # The app's shutdown stops the engine; a forced exit (second Ctrl-C), a signal during start-up or
+            # a failure before the app ran leaves it running, and its requests are cancelled here.
+            if engine is not None:
+                engine.shutdown(drain=False, timeout=5.0)
     return 0
 
 

@@ -76,6 +76,7 @@ class RequestHandle:
         self._events: asyncio.Queue | queue.Queue = asyncio.Queue() if loop is not None else queue.Queue()
         self.cancelled = threading.Event()
         self.completion_tokens = 0
+        self.target_forwards = 0  # verify passes (AR: decode steps) while in a slot; read after the FinishEvent
         self.finished = False
 
     def post(self, event) -> None:
@@ -109,10 +110,12 @@ class Engine:
     def __init__(self, target, head=None, *, method: str = "jetspec", slots: int = 8, max_len: int = 2048,
                  budget: int | str = 64, width: int = 7, chunk_steps: int = 8, max_queue: int = 64,
                  cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
-                 attention: str = "auto", min_batch: int = 1):
+                 attention: str = "auto", min_batch: int = 1, max_depth: int | None = None,
+                 tree_temperature: float = 1.0):
         """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
         ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
-        per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py)."""
+        per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py);
+        `max_depth` and `tree_temperature` are SpecConfig's."""
         from jetspec_jax.generate import pad_token, stop_tokens
 
         if method != "ar" and method not in METHODS:
@@ -124,21 +127,18 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.target, self.method, self.num_slots, self.chunk_steps = target, method, slots, chunk_steps
         self.max_queue, self.attention, self.min_batch = max_queue, attention, min_batch
+        self.width, self.max_depth, self.tree_temperature = width, max_depth, tree_temperature
         self.eos_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else stop_tokens(target)
         self.pad_token_id = pad_token(target)
         dtype = target.params["embed"].dtype
         if method == "ar":
-            self.drafter, self.head_params, self.policy, depth = None, None, None, 0
+            self.drafter, self.head_params, self.policy = None, None, None
         else:
             head_cfg, self.head_params = head
             self.drafter = HeadDrafter(head_cfg, target.cfg)
             self.policy = BudgetPolicy.create(budget, width, slots, target, cost_table, method)
-            for b in self.policy.budgets:
-                SpecConfig(method, b, width, attention_impl=attention).depth(self.drafter.max_depth)  # validate
-            depth = self.drafter.max_depth
-        self.width = width
-        scratch = max([device.scratch_rows(self.spec(b), depth) for b in self.policy.budgets]
-                      if self.policy else [1])
+        scratch = max([device.scratch_rows(self.spec(b), self.spec(b).depth(self.drafter.max_depth))  # validates
+                       for b in self.policy.budgets] if self.policy else [1])
         rows = -(-max_len // 64) * 64
         if rows > target.cfg.max_position_embeddings + scratch:
             rows = -(-(target.cfg.max_position_embeddings + scratch) // 64) * 64
@@ -149,14 +149,15 @@ class Engine:
         self.pending: collections.deque[RequestHandle] = collections.deque()
         self.lock = threading.Condition()
         self.closing, self.drain, self.deadline = False, True, math.inf
-        self.compiled: set = set()  # (budget, active rows) programs compiled so far
+        self.compiled: set = set()  # programs run so far: (budget, active rows) chunks, ("admit", width) prefills
         self.thread: threading.Thread | None = None
         self.stats = EngineStats()
 
     def spec(self, budget: int) -> SpecConfig | None:
         if self.method == "ar":
             return None
-        return SpecConfig(self.method, budget, self.width, attention_impl=self.attention)
+        return SpecConfig(self.method, budget, self.width, self.max_depth, self.attention,
+                          tree_temperature=self.tree_temperature)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -288,6 +289,7 @@ class Engine:
         prompt[0, : len(ids)] = ids
         seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
             np.random.bytes(4), "little")
+        program = ("admit", prompt.shape[1])
         t0 = time.perf_counter()
         self.slots, first, finished = device.admit(
             self.target.params, self.head_params, self.slots, jnp.int32(index), prompt,
@@ -295,7 +297,8 @@ class Engine:
             jnp.int32(request.max_new_tokens), cfg=self.target.cfg, drafter=self.drafter,
             eos_token_ids=self.eos_token_ids)
         first, finished = int(first), bool(finished)
-        self.stats.add_prefill(len(ids), time.perf_counter() - t0)
+        self.stats.add_prefill(len(ids), time.perf_counter() - t0, compiled=program not in self.compiled)
+        self.compiled.add(program)
         handle.post(TokenEvent([first]))
         self.stats.add_tokens(1)
         if finished:
@@ -328,6 +331,7 @@ class Engine:
             if counts[i] == 0:
                 continue
             handle = self.owner[i]
+            handle.target_forwards += steps  # a live slot stays live for every step of the chunk
             new = tokens[i, : counts[i]].tolist()
             handle.post(TokenEvent(new))
             if finished[i]:
@@ -343,6 +347,7 @@ class EngineStats:
         self.recent: collections.deque = collections.deque()  # (time, tokens, forwards, accepted)
         self.requests_total = self.requests_finished = 0
         self.tokens_total = self.prompt_tokens_total = 0
+        self.compile_seconds = 0.0  # admissions and chunks that ran a program for the first time
         self.budget: int | None = None
         self.history: list[dict] | None = None  # a benchmark sets a list to keep every chunk
 
@@ -350,9 +355,11 @@ class EngineStats:
         with self.lock:
             self.tokens_total += n
 
-    def add_prefill(self, prompt_tokens: int, seconds: float) -> None:
+    def add_prefill(self, prompt_tokens: int, seconds: float, compiled: bool = False) -> None:
         with self.lock:
             self.prompt_tokens_total += prompt_tokens
+            if compiled:
+                self.compile_seconds += seconds
 
     def add_chunk(self, budget, live: int, active: int, steps: int, committed: int, accepted: int,
                   seconds: float, timed: bool = True) -> None:
@@ -360,7 +367,8 @@ class EngineStats:
         with self.lock:
             self.budget = budget
             self.tokens_total += committed
-            if not timed:
+            if not timed:  # the first run of this program: mostly its compilation
+                self.compile_seconds += seconds
                 return
             self.recent.append((now, seconds, committed, live * steps, accepted))
             if self.history is not None:
@@ -379,4 +387,5 @@ class EngineStats:
                     "tau": (forwards + accepted) / forwards if forwards else 0.0,
                     "budget": self.budget, "requests_total": self.requests_total,
                     "requests_finished": self.requests_finished, "generated_tokens_total": self.tokens_total,
-                    "prompt_tokens_total": self.prompt_tokens_total}
+                    "prompt_tokens_total": self.prompt_tokens_total,
+                    "compile_seconds_total": self.compile_seconds}

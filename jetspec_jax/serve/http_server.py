@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import signal
 import threading
 from typing import Any, AsyncIterator, NamedTuple
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jetspec_jax.serve.detokenize import IncrementalText
 from jetspec_jax.serve.engine import (EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
                                       SamplingParams, TokenEvent)
 from jetspec_jax.serve.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -39,47 +41,6 @@ def error_response(error: APIError) -> JSONResponse:
 def sse(payload: BaseModel | dict) -> str:
     data = payload.model_dump_json(exclude_none=False) if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
-
-
-class IncrementalText:
-    """A completion's text as its tokens arrive. The whole completion is decoded each time (so
-    multi-token characters and tokenizer spacing come out as offline decoding gives them) and only
-    the new suffix is released; text that could begin a stop string, or an incomplete character, is
-    held back until the next tokens decide it."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.released = 0  # characters of self.text already sent
-        self.stopped = False  # a stop string was found; self.text ends before it
-
-    def add(self, token_ids: list[int]) -> str:
-        self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if found:
-            self.text, self.stopped = text[: min(found)], True
-            return self._release(len(self.text))
-        self.text = text
-        return self._release(len(text) - self._undecided_tail(text))
-
-    def flush(self) -> str:
-        return self._release(len(self.text))
-
-    def _undecided_tail(self, text: str) -> int:
-        incomplete = len(text) - len(text.rstrip("\ufffd"))  # a character cut between tokens
-        longest = max((len(s) for s in self.stop), default=1)
-        for k in range(min(len(text), longest - 1), 0, -1):
-            if any(s.startswith(text[-k:]) for s in self.stop):
-                return max(k, incomplete)
-        return incomplete
-
-    def _release(self, end: int) -> str:
-        end = max(end, self.released)  # sent text cannot be taken back
-        delta = self.text[self.released: end]
-        self.released = end
-        return delta
 
 
 class Piece(NamedTuple):
@@ -415,7 +376,13 @@ class GracefulServer(uvicorn.Server):
     """uvicorn whose first SIGINT/SIGTERM starts the app's engine shutdown at once: new work gets 503,
     running requests finish or are cancelled by the engine's deadline and answered, then uvicorn
     closes the connections. Set `timeout_graceful_shutdown` above the app's `shutdown_timeout`: it is
-    uvicorn's backstop, which cuts connections. `config.app` must come from create_app."""
+    uvicorn's backstop, which cuts connections. `config.app` must come from create_app.
+    `stop_requested()`, checked every tick, stops it the same way: for a signal that reached the
+    caller's handlers just before uvicorn installed its own."""
+
+    def __init__(self, config: uvicorn.Config, stop_requested=None):
+        super().__init__(config)
+        self.stop_requested = stop_requested
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
@@ -424,3 +391,8 @@ class GracefulServer(uvicorn.Server):
         # uvicorn re-raises the signal once it has stopped (SIGTERM then kills the process, SIGINT
         # raises KeyboardInterrupt); a graceful stop is a normal exit here.
         self._captured_signals.clear()
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.should_exit and self.stop_requested is not None and self.stop_requested():
+            self.handle_exit(signal.SIGTERM, None)
+        return await super().on_tick(counter)
