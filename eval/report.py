@@ -328,6 +328,11 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
     headline = [g for g in groups if g["precision"] == main]
     plots = {"speedup": ("speedup_vs_budget.png", f"decode speedup vs AR ({main})"),
              "tau": ("tau_vs_budget.png", f"tau ({main})")}
+    try:
+        import matplotlib  # noqa: F401  (the plots are optional: the tables are the report)
+    except ImportError:
+        log.warning("matplotlib is not installed, so the report has no plots: pip install -e \".[eval]\"")
+        plots = {}
     for field, (name, ylabel) in plots.items():
         plot_vs_budget(headline, field, ylabel, os.path.join(out_dir, name))
     errors = [line for line in lines if "error" in line]
@@ -338,7 +343,8 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
     elsewhere = f"; {', '.join(others)} in the per-benchmark tables" if others else ""
     md += [f"## Summary: speedup/tau ({main}{elsewhere})", ""] + summary_table(headline) + ["", "## Per benchmark", ""]
     md += benchmark_tables(groups)
-    md += ["## Plots", ""] + [f"![{field}]({name})" for field, (name, _) in plots.items()] + [""]
+    if plots:
+        md += ["## Plots", ""] + [f"![{field}]({name})" for field, (name, _) in plots.items()] + [""]
     md_path, json_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.json")
     tmp = md_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:

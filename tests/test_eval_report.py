@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
+import os
+import sys
 
 import pytest
 
@@ -147,3 +150,15 @@ def test_benchmarks_without_a_reference_report_speed_and_lossless_check(tmp_path
     assert "| 0 | jetspec | 64 | 2.00/2.00 | 2.00/2.50 |" in md  # summary: gsm8k, then summarise
     assert "Prompt tokens: mean 900, max 900 (ar, n=1)." in md
     assert "- summarise: 1 runs of 1 prompts (1); e.g. skipped for every method" in md
+
+
+def test_report_without_matplotlib_writes_the_tables(tmp_path, monkeypatch, caplog):
+    write_lines(tmp_path / "r.jsonl", [line("ar", None), line("jetspec", 16, decode=0.5, forwards=4,
+                                                              accepts=[0, 1, 2, 1], matches=True)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with caplog.at_level(logging.WARNING):
+        paths = write_report([str(tmp_path / "r.jsonl")], str(tmp_path / "out"))
+    assert [os.path.basename(p) for p in paths] == ["report.md", "report.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["report.json", "report.md"]
+    assert "## Plots" not in (tmp_path / "out" / "report.md").read_text()
+    assert 'pip install -e ".[eval]"' in caplog.text

@@ -340,7 +340,8 @@ def load_config(path: str, overrides: list[str] = ()) -> TrainConfig:
         if isinstance(table, dict):
             table[key] = value
     try:
-        cfg = build_config(raw, where=path)
+        # a bad value may come from the file or from an override: name both places
+        cfg = build_config(raw, where=f"{path} with {' '.join(overrides)}" if overrides else path)
     except InputError as e:
         if not bad_overrides:
             raise
