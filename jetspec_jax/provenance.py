@@ -22,7 +22,8 @@ def environment() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in jax.devices()],
         "platform": platform.platform(),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        # orig_argv keeps "-m package" where argv[0] would be the module's file path
+        "command": " ".join([os.path.basename(sys.executable)] + sys.orig_argv[1:]),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     for name in ("flax", "transformers", "torch"):
