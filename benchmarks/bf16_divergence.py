@@ -26,7 +26,7 @@ from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  #
 from jetspec_jax.models import qwen3  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
 from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
+from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 
 def next_logits(target, ids):

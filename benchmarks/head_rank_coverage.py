@@ -39,7 +39,7 @@ from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  #
 from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
 from jetspec_jax.models import draft_head  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
+from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 from jetspec_jax.train.trainer import teacher  # noqa: E402
 from jetspec_jax.tree import top_candidates  # noqa: E402
 from jetspec_jax.verify import accept  # noqa: E402

@@ -22,7 +22,7 @@ from jetspec_jax.generate import generate  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
+from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 
 def main():

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, gpu_kernel_events, print_table, time_call, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
-from jetspec_jax.generate import encode_prompts, pad_prompts, pad_token, plan_cache_len, stop_tokens  # noqa: E402
+from jetspec_jax.generate import pad_prompts, pad_token, plan_cache_len, stop_tokens  # noqa: E402
 from jetspec_jax.sampling import RowSampling, sample_rows_inverse_cdf, select_tokens_rows  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
 from jetspec_jax.train.config import DataConfig  # noqa: E402
@@ -41,7 +41,7 @@ from jetspec_jax.train.regenerate import load_regeneration_prompts, regenerate  
 
 def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dict]:
     out = []
-    eos, pad = stop_tokens(target), pad_token(target)
+    pad = pad_token(target)
     for slots, rows in zip(slots_list, rows_list):
         for attention in attentions:
             for temperature in (0.0, 1.0):
@@ -64,7 +64,6 @@ def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dic
                 out.append({"part": "decode step", "slots": slots, "cache_rows": rows, "attention": attention,
                             "temperature": temperature, "mean_length": float(lengths.mean()),
                             "step_ms": seconds / chunk * 1e3, "tokens_per_second": slots * chunk / seconds})
-                del holder, state
         vocab = target.cfg.vocab_size
         logits = jax.random.normal(jax.random.key(0), (slots, vocab), jnp.float32)
         keys = jax.random.split(jax.random.key(1), slots)

@@ -28,7 +28,7 @@ from common import (environment, math_and_chat_prompts, print_table, target_and_
 from jetspec_jax import cache  # noqa: E402
 from jetspec_jax.generate import encode_prompts  # noqa: E402
 from jetspec_jax.serve.engine import Engine, EngineRequest, FinishEvent  # noqa: E402
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR  # noqa: E402
+from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 
 def measure(target, head, method: str, batch: int, budget: int | None, prompts, args) -> dict:

@@ -12,7 +12,7 @@ import pytest
 from jetspec_jax.eval.datasets import load_benchmark
 from jetspec_jax.eval.sandbox import run_program
 from jetspec_jax.eval.scoring import humaneval_program, score_completion
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
+from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(DEFAULT_DATA_DIR), reason=f"no data at {DEFAULT_DATA_DIR}")
 

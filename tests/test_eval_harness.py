@@ -15,7 +15,7 @@ from jetspec_jax.eval.__main__ import main
 from jetspec_jax.eval.heads import resolve_heads
 from jetspec_jax.eval.records import line_key, meta_path, read_lines
 from jetspec_jax.loading.head_checkpoint import WEIGHTS_FILE, file_sha256, packaged_head_path
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
+from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(DEFAULT_DATA_DIR), reason=f"no data at {DEFAULT_DATA_DIR}")
 

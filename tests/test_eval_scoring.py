@@ -11,7 +11,8 @@ import pytest
 from jetspec_jax.eval.datasets import BENCHMARKS, benchmark_paths, load_benchmark
 from jetspec_jax.eval.scoring import (aime_correct, extract_code, extract_final_answer, gsm8k_correct,
                                       last_boxed, math_correct, math_equivalent, score_completion)
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR, MATH_INSTRUCTION
+from jetspec_jax.train.config import DEFAULT_DATA_DIR
+from jetspec_jax.train.mixture import MATH_INSTRUCTION
 
 needs_data = pytest.mark.skipif(not os.path.isdir(DEFAULT_DATA_DIR), reason=f"no data at {DEFAULT_DATA_DIR}")
 

@@ -19,7 +19,7 @@ from jetspec_jax.eval.heads import resolve_heads
 from jetspec_jax.loading.head_checkpoint import (CONFIG_FILE, WEIGHTS_FILE, load_head, packaged_head_path,
                                                  save_head)
 from jetspec_jax.target import load_target
-from jetspec_jax.train.regenerate import DEFAULT_DATA_DIR
+from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
 FAST = ["--max-new-tokens", "4", "--budget", "8"]
 

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -20,10 +20,9 @@ from jetspec_jax.generate import encode_prompts, pad_token, stop_tokens
 from jetspec_jax.provenance import environment
 from jetspec_jax.target import Target
 
-from .config import DEFAULT_DATA_DIR, DataConfig  # noqa: F401  (DEFAULT_DATA_DIR: the eval imports it here)
-from .corpus import Answers, CorpusWriter, done_jobs, read_manifest
-from .mixture import (DATA_FIX, HELDOUT_FRACTION, MATH_INSTRUCTION, SOURCES, load_prompts,  # noqa: F401
-                      read_jsonl)
+from .config import DEFAULT_DATA_DIR, DataConfig
+from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, sha256_hex
+from .mixture import HELDOUT_FRACTION, load_prompts
 from .regen_engine import Job, answer_key_ids, run_bucket
 
 MIN_BUCKET = 128  # prompt widths are powers of two from here: a handful of compiled shapes
@@ -52,8 +51,6 @@ def prompt_buckets(max_prompt_tokens: int) -> list[int]:
 def regeneration_settings(target: Target, prompts: Sequence[dict], cfg: DataConfig, seed: int) -> dict[str, Any]:
     """Everything that decides the answers; a resumed run must match it. Batch and chunk sizes only
     change the speed, so they may differ between sessions."""
-    from .corpus import sha256_hex
-
     listing = json.dumps([[p["source"], p["id"], p["prompt"]] for p in prompts], ensure_ascii=False)
     return json.loads(json.dumps({
         "target": os.path.basename(os.path.normpath(target.source)),
