@@ -174,6 +174,13 @@ def _load_npz(path: str, expected_sha256: str, fix: str) -> dict[str, np.ndarray
         return {k: npz[k] for k in npz.files}
 
 
+def read_prompt_ids(out_dir: str, manifest: dict[str, Any]) -> list[np.ndarray]:
+    """Every prompt's token ids as the corpus stored them (a resumed run reuses them, not the tokenizer)."""
+    arrays = _load_npz(os.path.join(out_dir, PROMPTS_FILE), manifest["prompts_sha256"], regenerate_fix(out_dir))
+    tokens, offsets = arrays["tokens"], arrays["offsets"]
+    return [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
 def done_jobs(out_dir: str, manifest: dict[str, Any]) -> set[tuple[int, int]]:
     """(prompt index, sample) of every answer already in a shard, for a resumed run to skip."""
     fix = regenerate_fix(out_dir)

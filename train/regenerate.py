@@ -21,7 +21,7 @@ from jetspec_jax.provenance import environment
 from jetspec_jax.target import Target
 
 from .config import DEFAULT_DATA_DIR, DataConfig
-from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, sha256_hex
+from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, read_prompt_ids, sha256_hex
 from .mixture import HELDOUT_FRACTION, load_prompts
 from .regen_engine import Job, answer_key_ids, run_bucket
 
@@ -101,12 +101,13 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
         if manifest["complete"]:
             return manifest
 
-    prompt_ids = encode_prompts(target.tokenizer, [p["prompt"] for p in prompts])
     if manifest is None:
+        prompt_ids = encode_prompts(target.tokenizer, [p["prompt"] for p in prompts])
         writer = CorpusWriter.create(out_dir, settings, prompts, prompt_ids, target.cfg.vocab_size,
                                      provenance={"config": config_name, "target_path": target.source})
         done = set()
-    else:
+    else:  # the same prompts (their sha256 is in the settings): reuse their stored token ids
+        prompt_ids = read_prompt_ids(out_dir, manifest)
         writer = CorpusWriter.resume(out_dir, manifest)
         done = done_jobs(out_dir, manifest)
 
