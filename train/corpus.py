@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jetspec_jax.errors import DamagedFileError
+from jetspec_jax.provenance import write_json_atomic
 
 from .mixture import is_heldout
 
@@ -118,8 +119,7 @@ class CorpusWriter:
         return cls(out_dir, manifest, np.dtype(manifest["token_dtype"]))
 
     def write_manifest(self) -> None:
-        write_bytes_atomic(os.path.join(self.out_dir, MANIFEST_FILE),
-                           json.dumps(self.manifest, indent=2).encode("utf-8"))
+        write_json_atomic(os.path.join(self.out_dir, MANIFEST_FILE), self.manifest)
 
     def write_shard(self, answers: Answers, sources: Sequence[str], seconds: float) -> None:
         """Writes one shard, then the manifest that lists it. `sources[i]` names prompt i's source."""
@@ -218,8 +218,11 @@ class Corpus:
                                    f"{len(self.prompt_offsets) - 1}", fix)
         shards = [_load_npz(os.path.join(out_dir, s["file"]), s["sha256"], fix) for s in manifest["shards"]]
         self.shards = shards
-        # (shard, row) of every answer, in shard order
+        # per answer, in shard order: (shard, row), its prompt, and prompt + completion tokens
         self.index = [(s, r) for s, arrays in enumerate(shards) for r in range(len(arrays["prompt_index"]))]
+        self.answer_prompt = np.concatenate([a["prompt_index"] for a in shards] or [np.zeros((0,), np.int32)])
+        completion = np.concatenate([np.diff(a["offsets"]) for a in shards] or [np.zeros((0,), np.int64)])
+        self.answer_length = np.diff(self.prompt_offsets)[self.answer_prompt] + completion
 
     def prompt_ids(self, i: int) -> np.ndarray:
         return self.prompt_tokens[self.prompt_offsets[i]:self.prompt_offsets[i + 1]]
@@ -235,11 +238,9 @@ class Corpus:
                 "finished": bool(arrays["finished"][r])}
 
     def answers(self, split: str = "train") -> "AnswerSource":
-        heldout = split == "heldout"
-        positions = [i for i, (s, r) in enumerate(self.index)
-                     if is_heldout(self.prompts[int(self.shards[s]["prompt_index"][r])]["source"],
-                                   self.prompts[int(self.shards[s]["prompt_index"][r])]["id"]) == heldout]
-        return AnswerSource(self, positions)
+        prompt_heldout = np.array([is_heldout(p["source"], p["id"]) for p in self.prompts], bool)
+        positions = np.flatnonzero(prompt_heldout[self.answer_prompt] == (split == "heldout"))
+        return AnswerSource(self, positions.tolist())
 
 
 class AnswerSource:
@@ -256,19 +257,12 @@ class AnswerSource:
 
     def lengths(self) -> np.ndarray:
         """prompt + completion tokens of every answer, for length bucketing without reading records."""
-        out = np.empty((len(self.positions),), np.int64)
-        c = self.corpus
-        for j, position in enumerate(self.positions):
-            s, r = c.index[position]
-            arrays = c.shards[s]
-            p = int(arrays["prompt_index"][r])
-            out[j] = (c.prompt_offsets[p + 1] - c.prompt_offsets[p]) + (arrays["offsets"][r + 1] - arrays["offsets"][r])
-        return out
+        return self.corpus.answer_length[self.positions].astype(np.int64)
 
     def prompt_field(self, field: str) -> list[str]:
         """A prompt field ("source", "id" or "kind") of every answer, without building records."""
         c = self.corpus
-        return [c.prompts[int(c.shards[s]["prompt_index"][r])][field] for s, r in (c.index[p] for p in self.positions)]
+        return [c.prompts[p][field] for p in c.answer_prompt[self.positions].tolist()]
 
     def sources(self) -> list[str]:
         return self.prompt_field("source")
