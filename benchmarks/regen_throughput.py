@@ -39,27 +39,31 @@ from jetspec_jax.train.regen_engine import decode_chunk, new_slot_state  # noqa:
 from jetspec_jax.train.regenerate import load_regeneration_prompts, regenerate  # noqa: E402
 
 
+def repeated_chunk(target, slots: int, rows: int, chunk: int, temperature: float, attention: str):
+    """(run, lengths): run() decodes one chunk for `slots` live slots of random lengths in [rows/4,
+    rows - 2 chunk) and puts the lengths back, so every call times the same cache reads."""
+    state = new_slot_state(target.cfg, slots, rows, target.params["embed"].dtype)
+    lengths = np.random.default_rng(0).integers(rows // 4, rows - 2 * chunk, slots).astype(np.int32)
+    state = state._replace(cache=state.cache._replace(lengths=jnp.asarray(lengths)), live=jnp.ones((slots,), bool),
+                           limit=jnp.full((slots,), 10**6, jnp.int32),
+                           temperature=jnp.full((slots,), temperature, jnp.float32))
+    holder = [state]
+
+    def run():
+        holder[0], toks = decode_chunk(target.params, holder[0], cfg=target.cfg, steps=chunk, eos_token_ids=(),
+                                       pad_token_id=pad_token(target), top_p=1.0, attention=attention)
+        holder[0] = holder[0]._replace(cache=holder[0].cache._replace(lengths=jnp.asarray(lengths)))
+        return toks
+
+    return run, lengths
+
+
 def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dict]:
     out = []
-    pad = pad_token(target)
     for slots, rows in zip(slots_list, rows_list):
         for attention in attentions:
             for temperature in (0.0, 1.0):
-                state = new_slot_state(target.cfg, slots, rows, target.params["embed"].dtype)
-                rng = np.random.default_rng(0)
-                lengths = rng.integers(rows // 4, rows - 2 * chunk, slots).astype(np.int32)
-                state = state._replace(cache=state.cache._replace(lengths=jnp.asarray(lengths)),
-                                       live=jnp.ones((slots,), bool), limit=jnp.full((slots,), 10**6, jnp.int32),
-                                       temperature=jnp.full((slots,), temperature, jnp.float32))
-                holder = [state]
-
-                def run():
-                    holder[0], toks = decode_chunk(target.params, holder[0], cfg=target.cfg, steps=chunk,
-                                                   eos_token_ids=(), pad_token_id=pad, top_p=1.0, attention=attention)
-                    # keep the lengths where they were, so every call times the same cache reads
-                    holder[0] = holder[0]._replace(cache=holder[0].cache._replace(lengths=jnp.asarray(lengths)))
-                    return toks
-
+                run, lengths = repeated_chunk(target, slots, rows, chunk, temperature, attention)
                 seconds = time_call(run, warmup=2, repeats=5)
                 out.append({"part": "decode step", "slots": slots, "cache_rows": rows, "attention": attention,
                             "temperature": temperature, "mean_length": float(lengths.mean()),
@@ -79,19 +83,7 @@ def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dic
 
 def profile_rows(target, slots: int, rows: int, chunk: int, top: int = 15) -> list[dict]:
     """GPU time per decode step by kernel (summed over the chunk's steps), from one profiled chunk."""
-    pad = pad_token(target)
-    state = new_slot_state(target.cfg, slots, rows, target.params["embed"].dtype)
-    lengths = np.random.default_rng(0).integers(rows // 4, rows - 2 * chunk, slots).astype(np.int32)
-    state = state._replace(cache=state.cache._replace(lengths=jnp.asarray(lengths)), live=jnp.ones((slots,), bool),
-                           limit=jnp.full((slots,), 10**6, jnp.int32), temperature=jnp.ones((slots,), jnp.float32))
-    holder = [state]
-
-    def run():
-        holder[0], toks = decode_chunk(target.params, holder[0], cfg=target.cfg, steps=chunk, eos_token_ids=(),
-                                       pad_token_id=pad, top_p=1.0, attention="auto")
-        holder[0] = holder[0]._replace(cache=holder[0].cache._replace(lengths=jnp.asarray(lengths)))
-        return toks
-
+    run, _ = repeated_chunk(target, slots, rows, chunk, 1.0, "auto")
     events, wall = gpu_kernel_events(run)
     if events is None:
         return []
