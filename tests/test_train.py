@@ -203,6 +203,16 @@ def test_a_long_answer_lands_whole_in_its_bucket_and_rows_fill_the_token_budget(
     assert kept == 10 and tokens.tolist() == list(range(10)) + list(range(1000, 1054))
 
 
+def test_a_bucket_of_one_row_streams(corpus, tmp_path):
+    """A token budget that fits one row of the longest bucket (grain's batch of an endless source once
+    overflowed len() there)."""
+    cfg = tiny_config(tmp_path, "optim.tokens_per_batch=512")
+    assert [b.rows for b in cfg.buckets()] == [16, 4, 1]
+    stream = training_stream(corpus.answers("train"), cfg.buckets(), mixture={}, seed=0)
+    shapes = {stream.dataset[step]["tokens"].shape for step in range(60)}
+    assert shapes == {(16, 32), (4, 128), (1, 512)}
+
+
 def test_resumed_iterator_gives_the_identical_next_batches_and_processes_split_each_batch(corpus, tmp_path):
     cfg = tiny_config(tmp_path)
     train_split = corpus.answers("train")

@@ -104,6 +104,11 @@ class TrainingStream:
     plan: dict[str, Any]  # answers per bucket, cut answers, expected draw share per source and kind
 
 
+# Draws per group before the stream would end: finite, because grain takes len() of every mixed parent and
+# an endless repeat batched by a bucket of one row has a length past sys.maxsize.
+ENDLESS_DRAWS = 2**48
+
+
 def training_stream(answers, buckets: Sequence[Bucket], *, mixture: Mapping[str, float], seed: int,
                     process_index: int = 0, process_count: int = 1) -> TrainingStream:
     """Batches from `answers` (a corpus's train split): within each bucket, every (source, kind) group of
@@ -126,7 +131,8 @@ def training_stream(answers, buckets: Sequence[Bucket], *, mixture: Mapping[str,
             if gb != b or w <= 0:
                 continue
             members_ds = grain.MapDataset.source(np.asarray(members, np.int64))
-            parts.append(members_ds.shuffle(seed=stable_seed(seed, bucket.length, source, kind)).repeat(None))
+            passes = max(1, ENDLESS_DRAWS // len(members))
+            parts.append(members_ds.shuffle(seed=stable_seed(seed, bucket.length, source, kind)).repeat(passes))
             weights.append(w * len(members))
             drawn[(source, kind)] += w * len(members)
         if parts:
