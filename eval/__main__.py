@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--heads", nargs="+", action="extend", default=[], metavar="ROLE=DIR",
                      help="jetspec=DIR (causal head) and/or bidirectional=DIR (ddtree, dflash); default: "
                           "the head shipped for the target")
+    run.add_argument("--heads-label", default=None, metavar="NAME",
+                     help="names this run's head set in the report, which shows results files of two head "
+                          "sets side by side (default: \"shipped\" for the packaged heads, else the --heads "
+                          "directories' names joined by +)")
     run.add_argument("--allow-untrained", action="store_true",
                      help="run methods that have no trained head with an untrained one instead of skipping")
     run.add_argument("--model", default=None,
@@ -117,8 +121,8 @@ def eval_command(argv=None) -> int:
             temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
             width=args.width, tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend,
             attention=args.attention, prompt_bucket=args.prompt_bucket, seed=args.seed,
-            data_dir=args.data_dir, results=args.results,
-            head_dirs=parse_heads(args.heads), allow_untrained=args.allow_untrained, model=args.model,
+            data_dir=args.data_dir, results=args.results, head_dirs=parse_heads(args.heads),
+            heads_label=args.heads_label, allow_untrained=args.allow_untrained, model=args.model,
             dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,
             progress=not args.no_progress)
         summary = run_eval(config, command=["python", "-m", "jetspec_jax.eval",

@@ -16,10 +16,34 @@ from jetspec_jax.provenance import environment, write_json_atomic
 log = logging.getLogger(__name__)
 
 KEY_FIELDS = ("benchmark", "id", "method", "budget", "temperature")
+SHIPPED_HEADS = "shipped"  # the head-set label of the heads packaged with jetspec_jax
 
 
 def line_key(line: dict) -> tuple:
     return tuple(line[k] for k in KEY_FIELDS)
+
+
+def is_packaged_head(name: str) -> bool:
+    """Whether a line's `head` is a head shipped in the package (jetspec_jax/heads/NAME, on any machine)."""
+    return os.path.normpath(name).split(os.sep)[-3:-1] == ["jetspec_jax", "heads"]
+
+
+def heads_label(head_names: Iterable[str]) -> str:
+    """The default name of a run's head set (`--heads-label`): the names of its head directories other
+    than the packaged ones ("untrained" for a random head), sorted and joined by "+"; "shipped" when
+    every head is a packaged one (or the run used none: AR alone)."""
+    names = {os.path.basename(os.path.normpath(n)) for n in head_names if not is_packaged_head(n)}
+    return "+".join(sorted(names)) or SHIPPED_HEADS
+
+
+def label_heads(lines: list[dict]) -> list[dict]:
+    """The lines of one results file, each with its `heads_label`; lines written before the label was
+    recorded get the one their run would get now, from the file's head directories."""
+    unlabelled = [line for line in lines if not line.get("heads_label")]
+    if not unlabelled:
+        return lines
+    label = heads_label(line["head"] for line in unlabelled if line.get("head"))
+    return [line if line.get("heads_label") else {**line, "heads_label": label} for line in lines]
 
 
 def meta_path(results_path: str) -> str:
@@ -105,6 +129,9 @@ def check_compatible(results_path: str, settings: dict, heads: dict[str, str | N
     if meta is None:
         return
     recorded = {**SETTINGS_BEFORE_RECORDED, **meta["settings"]}
+    if "heads_label" not in recorded:  # a file from before the label: the one `report` gives its lines
+        lines = label_heads(read_lines(results_path))
+        recorded["heads_label"] = lines[0]["heads_label"] if lines else settings.get("heads_label")
     changed = sorted(k for k in set(recorded) | set(settings) if recorded.get(k) != settings.get(k))
     changed += [f"{role} head" for role, sha in heads.items() if meta["heads"].get(role, sha) != sha]
     if changed:

@@ -1,4 +1,4 @@
-"""Turns results files into report.md (tables per benchmark, method, budget and temperature),
+"""Turns results files into report.md (tables per benchmark, method, budget, temperature and head set),
 report.json and speedup/tau-vs-budget plots."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from jetspec_jax.provenance import write_json_atomic
 
 from .datasets import BENCHMARKS
-from .records import line_key, read_lines, read_meta
+from .records import label_heads, line_key, read_lines, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,9 @@ DEFINITIONS = """\
 - **decode tok/s**: (generated - 1) tokens / decode seconds, where decode seconds = the timed call minus a
   prefill-only call (max_new_tokens=1) of the same prompt and method. Device time of one jitted call,
   compile excluded; prompts run one at a time (batch 1).
-- **speedup**: AR decode seconds per token / the method's, summed over the prompts both ran.
-  **e2e speedup** is the same with prefill included (whole call, all generated tokens).
+- **speedup**: AR decode seconds per token / the method's, summed over the prompts both ran, against
+  the AR lines of the same head set (each run measures its own AR). **e2e speedup** is the same with
+  prefill included (whole call, all generated tokens).
 - **accuracy**: GSM8K numeric, MATH-500 normalised LaTeX, AIME integer, HumanEval/MBPP pass@1 (tests run
   in a sandboxed subprocess); MT-Bench and the held-out benchmarks (summarise, doc_qa, translate, open_qa)
   have no reference ("-"). **= AR** (T=0): every prompt scored as AR's did.
@@ -44,14 +45,15 @@ def precision(line: dict) -> str:
 
 
 def load_results(paths: list[str]) -> tuple[list[dict], list[dict]]:
-    """(lines deduplicated by key and precision, the later file winning; sidecar metas) of all files."""
+    """(lines deduplicated by key, precision and head set, the later file winning; sidecar metas) of all
+    files."""
     by_key, metas = {}, []
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no results file at {path}")
         repeated = []
-        for line in read_lines(path):
-            key = line_key(line) + (precision(line),)
+        for line in label_heads(read_lines(path)):
+            key = line_key(line) + (precision(line), line["heads_label"])
             if key in by_key:
                 repeated.append(key)
             by_key[key] = line
@@ -70,12 +72,14 @@ def ratio(num: float, den: float) -> float | None:
 
 def check_one_setup(rows: list[dict], group: str) -> None:
     """A group's tau and speedup describe one draft head, one tree scoring and one GEMM backend: lines
-    of two heads (files of an older and a newer head given together, whose later lines replace only
-    the prompts they share), of two tree temperatures or of two GEMM backends are refused."""
+    of two heads under one head-set label (files of an older and a newer head given together, whose
+    later lines replace only the prompts they share), of two tree temperatures or of two GEMM backends
+    are refused."""
     shas = sorted({r["head_sha256"] for r in rows if r.get("head_sha256")})
     if len(shas) > 1:
         raise ValueError(f"the results hold {len(shas)} draft heads in one group ({group}): sha256 "
-                         f"{', '.join(s[:12] for s in shas)}; report each head's results files separately")
+                         f"{', '.join(s[:12] for s in shas)}; run each head set with its own --heads-label "
+                         "to compare them, or report each head's results files separately")
     # AR and chain lines carry None, as do lines from before a setting was recorded: its default
     for field, default, what in (("tree_temperature", 1.0, "tree temperatures"),
                                  ("gemm_backend", "xla", "GEMM backends")):
@@ -85,25 +89,38 @@ def check_one_setup(rows: list[dict], group: str) -> None:
                              "report the results files of each separately")
 
 
+def head_sets(lines: list[dict]) -> list[str]:
+    """The head-set labels of the lines, in the order their files were given."""
+    return list(dict.fromkeys(line["heads_label"] for line in label_heads(lines)))
+
+
+def baseline_key(line: dict) -> tuple:
+    """The AR line a run is timed and scored against: the same prompt, temperature, precision and head
+    set, that is AR as measured in the same run."""
+    return line["benchmark"], line["id"], line["temperature"], precision(line), line["heads_label"]
+
+
 def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
-    """One dict per (benchmark, method, budget, temperature, precision), ordered for reading."""
-    valid = [line for line in lines if "error" not in line]
-    ar = {(r["benchmark"], r["id"], r["temperature"], precision(r)): r for r in valid if r["method"] == "ar"}
+    """One dict per (benchmark, method, budget, temperature, precision, head set), ordered for reading.
+    Each head set's run measured its own AR, so a method's speedup is against the AR of its head set."""
+    valid = [line for line in label_heads(lines) if "error" not in line]
+    ar = {baseline_key(r): r for r in valid if r["method"] == "ar"}
     groups = defaultdict(list)
     for r in valid:
-        groups[(r["benchmark"], r["method"], r["budget"], r["temperature"], precision(r))].append(r)
+        key = (r["benchmark"], r["method"], r["budget"], r["temperature"], precision(r), r["heads_label"])
+        groups[key].append(r)
     out = []
-    for (bench, method, budget, temp, prec), rows in groups.items():
-        check_one_setup(rows, f"{bench} {method} B={budget} T={temp} {prec}")
+    for (bench, method, budget, temp, prec, label), rows in groups.items():
+        check_one_setup(rows, f"{bench} {method} B={budget} T={temp} {prec}, head set {label}")
         decoded = sum(map(decoded_tokens, rows))
-        paired = [(r, ar[(bench, r["id"], temp, prec)]) for r in rows if (bench, r["id"], temp, prec) in ar]
+        paired = [(r, ar[baseline_key(r)]) for r in rows if baseline_key(r) in ar]
         scored = [r["correct"] for r in rows if r.get("correct") is not None]
         compared = [r["matches_ar"] for r in rows if r.get("matches_ar") is not None]
         forwards = sum(r["target_forwards"] or 0 for r in rows)
         prompts = [r["prompt_tokens"] for r in rows if r.get("prompt_tokens") is not None]
         out.append({
             "benchmark": bench, "method": method, "budget": budget, "temperature": temp, "precision": prec,
-            "n": len(rows),
+            "heads_label": label, "n": len(rows),
             "tau": ratio(decoded, forwards) if method != "ar" else None,
             "decode_tokens_per_second": ratio(decoded, sum(r["decode_seconds"] for r in rows)),
             "speedup": per_token_ratio(paired, "decode_seconds", decoded_tokens),
@@ -120,14 +137,19 @@ def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
             "matmul_precision": sorted({r.get("matmul_precision") or "default" for r in rows}),
             "heads": sorted({(r["head"], r["head_sha256"]) for r in rows if r["head"]}, key=str),
         })
-    return sorted(out, key=reading_order)
+    labels = head_sets(valid)
+    return sorted(out, key=lambda g: reading_order(g) + (labels.index(g["heads_label"]),))
 
 
 def reading_order(group: dict) -> tuple:
     benchmarks = list(BENCHMARKS)
     bench = benchmarks.index(group["benchmark"]) if group["benchmark"] in benchmarks else len(benchmarks)
-    method = METHOD_ORDER.index(group["method"]) if group["method"] in METHOD_ORDER else len(METHOD_ORDER)
+    method = method_order(group["method"])
     return bench, group["benchmark"], group["precision"], group["temperature"], method, group["budget"] or 0
+
+
+def method_order(method: str) -> int:
+    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
 
 
 def decoded_tokens(line: dict) -> int:
@@ -171,22 +193,65 @@ def main_precision(groups: list[dict]) -> str:
     return Counter(g["precision"] for g in groups for _ in range(g["n"])).most_common(1)[0][0]
 
 
-def summary_table(groups: list[dict]) -> list[str]:
-    """Paper layout: rows (T, method, budget), columns benchmarks, cells speedup/tau."""
+def heads_column(labels: list[str]):
+    """(header cell, separator cell, a group's cell) of a table's head-set column, which a report of
+    one head set leaves out."""
+    if len(labels) < 2:
+        return "", "", lambda g: ""
+    return "heads | ", "---|", lambda g: f"{g['heads_label']} | "
+
+
+def summary_table(groups: list[dict], labels: list[str]) -> list[str]:
+    """Paper layout: rows (T, method, budget, head set), columns benchmarks, cells speedup/tau."""
     benches = list(dict.fromkeys(g["benchmark"] for g in groups))
+    head, sep, cell = heads_column(labels)
     rows = defaultdict(dict)
     for g in groups:
         if g["method"] != "ar":
-            row = (g["temperature"], METHOD_ORDER.index(g["method"]), g["budget"], g["method"])
+            row = (g["temperature"], method_order(g["method"]), g["budget"], g["method"],
+                   labels.index(g["heads_label"]))
             rows[row][g["benchmark"]] = g
-    out = ["| T | method | B | " + " | ".join(benches) + " |", "|---|---|---|" + "---|" * len(benches)]
-    for (temp, _, budget, method), cells in sorted(rows.items()):
+    out = ["| T | method | B | " + head + " | ".join(benches) + " |",
+           "|---|---|---|" + sep + "---|" * len(benches)]
+    for (temp, _, budget, method, _), cells in sorted(rows.items()):
         texts = [f"{fmt(cells[b]['speedup'])}/{fmt(cells[b]['tau'])}" if b in cells else "" for b in benches]
-        out.append(f"| {temp:g} | {method} | {budget} | " + " | ".join(texts) + " |")
+        out.append(f"| {temp:g} | {method} | {budget} | " + cell(next(iter(cells.values())))
+                   + " | ".join(texts) + " |")
     return out
 
 
-def benchmark_tables(groups: list[dict]) -> list[str]:
+def side_by_side(rows: list[dict], labels: list[str]) -> list[str]:
+    """One benchmark's tau and speedup of each head set next to each other, per (precision, T, method,
+    budget) that two or more head sets ran, with each head set's difference from the first one."""
+    runs = defaultdict(dict)
+    for g in rows:
+        if g["method"] != "ar":
+            runs[(g["precision"], g["temperature"], method_order(g["method"]), g["method"], g["budget"])][
+                g["heads_label"]] = g
+    runs = {key: by_label for key, by_label in sorted(runs.items()) if len(by_label) > 1}
+    if not runs:
+        return []
+    shown = [label for label in labels if any(label in by_label for by_label in runs.values())]
+    first, others = shown[0], shown[1:]
+    precisions = len({key[0] for key in runs}) > 1
+    columns = ["method"] + ["precision"] * precisions + ["T"]
+    for field in ("tau", "speedup"):
+        columns += [f"{field} {label}" for label in shown] + [f"Δ {field} {label}" for label in others]
+    out = ["", f"Head sets side by side (Δ: each head set minus {first}; each speedup is against the AR "
+           "of its own run):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for (prec, temp, _, method, budget), by_label in runs.items():
+        cells = [method if budget is None else f"{method} B={budget}"] + [prec] * precisions + [f"{temp:g}"]
+        for field in ("tau", "speedup"):
+            values = {label: by_label[label][field] if label in by_label else None for label in shown}
+            cells += [fmt(values[label]) for label in shown]
+            cells += [f"{values[label] - values[first]:+.2f}" if None not in (values[label], values[first])
+                      else "-" for label in others]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def benchmark_tables(groups: list[dict], labels: list[str]) -> list[str]:
+    head, sep, cell = heads_column(labels)
     out = []
     for bench in dict.fromkeys(g["benchmark"] for g in groups):
         rows = [g for g in groups if g["benchmark"] == bench]
@@ -195,30 +260,31 @@ def benchmark_tables(groups: list[dict]) -> list[str]:
         if sized:  # results files from before prompt_tokens was recorded have none
             out += [f"Prompt tokens: mean {sized['mean_prompt_tokens']:.0f}, max {sized['max_prompt_tokens']} "
                     f"({method_label(sized)}, n={sized['n']}).", ""]
-        out += ["| method | precision | T | n | tau | decode tok/s | speedup | e2e speedup | accuracy | = AR "
-                "| mismatches (T=0) |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| method | {head}precision | T | n | tau | decode tok/s | speedup | e2e speedup "
+                "| accuracy | = AR | mismatches (T=0) |",
+                "|---|" + sep + "---|---|---|---|---|---|---|---|---|---|"]
         for g in rows:
             mism = f"{g['mismatches']}/{g['compared']}" if g["mismatches"] is not None else "-"
-            out.append(f"| {method_label(g)} | {g['precision']} | {g['temperature']:g} | {g['n']} | {fmt(g['tau'])} | "
-                       f"{fmt(g['decode_tokens_per_second'], 1)} | {fmt(g['speedup'])} | "
+            out.append(f"| {method_label(g)} | {cell(g)}{g['precision']} | {g['temperature']:g} | {g['n']} | "
+                       f"{fmt(g['tau'])} | {fmt(g['decode_tokens_per_second'], 1)} | {fmt(g['speedup'])} | "
                        f"{fmt(g['e2e_speedup'])} | "
                        f"{fmt(g['accuracy'], 3)} | {fmt(g['accuracy_same_as_ar'])} | {mism} |")
+        out += side_by_side(rows, labels)
         hist = [g for g in rows if g["accept_histogram"]]
         if hist:
             width = 1 + max(k for g in hist for k, share in enumerate(g["accept_histogram"]) if share > 0)
             out += ["", "Acceptance per verify pass (% of passes that accepted k drafts):", "",
-                    "| method | precision | T | " + " | ".join(f"k={k}" for k in range(width)) + " |",
-                    "|---|---|---|" + "---|" * width]
+                    f"| method | {head}precision | T | " + " | ".join(f"k={k}" for k in range(width)) + " |",
+                    "|---|" + sep + "---|---|" + "---|" * width]
             for g in hist:
                 shares = (g["accept_histogram"] + [0.0] * width)[:width]
-                out.append(f"| {method_label(g)} | {g['precision']} | {g['temperature']:g} | "
+                out.append(f"| {method_label(g)} | {cell(g)}{g['precision']} | {g['temperature']:g} | "
                            + " | ".join(f"{100 * s:.0f}" for s in shares) + " |")
         out.append("")
     return out
 
 
-def header(paths: list[str], metas: list[dict], groups: list[dict]) -> list[str]:
+def header(paths: list[str], metas: list[dict], groups: list[dict], labels: list[str]) -> list[str]:
     out = ["# JetSpec evaluation report", "", f"Results: {', '.join(paths)}", ""]
     for meta in metas:
         settings = meta.get("settings", {})
@@ -226,7 +292,8 @@ def header(paths: list[str], metas: list[dict], groups: list[dict]) -> list[str]
                    f"(matmul precision {settings.get('matmul_precision')}), "
                    f"max_new_tokens {settings.get('max_new_tokens')}, width {settings.get('width')}, "
                    f"tree temperature {settings.get('tree_temperature', 1.0)}, "
-                   f"GEMM backend {settings.get('gemm_backend', 'xla')}, seed {settings.get('seed')}")
+                   f"GEMM backend {settings.get('gemm_backend', 'xla')}, seed {settings.get('seed')}"
+                   + (f", head set {settings['heads_label']}" if "heads_label" in settings else ""))
         for run in meta.get("runs", []):
             env = run["environment"]
             devices = ", ".join(f"{n}x {kind}" for kind, n in Counter(env.get("devices", [])).items())
@@ -234,10 +301,11 @@ def header(paths: list[str], metas: list[dict], groups: list[dict]) -> list[str]
                        f"{env.get('platform')}; python {env.get('python')}, jax {env.get('jax')}, "
                        f"flax {env.get('flax')}, transformers {env.get('transformers')}; "
                        f"commit {env.get('git_commit')})")
-    heads = sorted({h for g in groups for h in map(tuple, g["heads"])}, key=str)
-    out += ["", "Draft heads (sha256 of head.safetensors):", ""]
-    out += [f"- {name}: `{sha}`" if sha else f"- {name}: random initialisation, no weights file"
-            for name, sha in heads] or ["- none"]
+    heads = sorted({(g["heads_label"], *h) for g in groups for h in g["heads"]},
+                   key=lambda h: (labels.index(h[0]), str(h[1:])))
+    out += ["", "Draft heads by head set (sha256 of head.safetensors):", ""]
+    out += [f"- {label}: {name}, " + (f"`{sha}`" if sha else "random initialisation, no weights file")
+            for label, name, sha in heads] or ["- none"]
     return out + [""]
 
 
@@ -278,8 +346,12 @@ def failed_runs(errors: list[dict]) -> list[str]:
     return out + [""]
 
 
-def plot_vs_budget(groups: list[dict], field: str, ylabel: str, path: str) -> None:
-    """One panel per benchmark, one colour per method, solid T=0 and dashed T>0; dflash is one point."""
+HEAD_SET_MARKERS = "osD^v<>ph"
+
+
+def plot_vs_budget(groups: list[dict], labels: list[str], field: str, ylabel: str, path: str) -> None:
+    """One panel per benchmark, one colour per method, solid T=0 and dashed T>0, one marker per head set
+    (the first filled, the others hollow); dflash is one point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,12 +365,16 @@ def plot_vs_budget(groups: list[dict], field: str, ylabel: str, path: str) -> No
         series = defaultdict(list)
         for g in groups:
             if g["benchmark"] == bench and g["method"] != "ar" and g[field] is not None:
-                series[(g["method"], g["temperature"])].append((g["budget"], g[field]))
-        for (method, temp), points in sorted(series.items()):
+                series[(g["method"], g["temperature"], labels.index(g["heads_label"]))].append(
+                    (g["budget"], g[field]))
+        for (method, temp, head_set), points in sorted(series.items()):
             points.sort()
             color = f"C{METHOD_ORDER.index(method)}" if method in METHOD_ORDER else None
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=color,
-                    linestyle="-" if temp == 0 else "--", label=f"{method} T={temp:g}")
+            name = f"{method} T={temp:g}" + (f" {labels[head_set]}" if len(labels) > 1 else "")
+            ax.plot([p[0] for p in points], [p[1] for p in points], color=color,
+                    marker=HEAD_SET_MARKERS[head_set % len(HEAD_SET_MARKERS)],
+                    markerfacecolor=None if head_set == 0 else "none",
+                    linestyle="-" if temp == 0 else "--", label=name)
         if field == "speedup":
             ax.axhline(1.0, color="gray", linewidth=0.8)
         budgets = sorted({p[0] for points in series.values() for p in points})
@@ -320,7 +396,7 @@ def plot_vs_budget(groups: list[dict], field: str, ylabel: str, path: str) -> No
 def write_report(paths: list[str], out_dir: str) -> list[str]:
     """Writes report.md, report.json, speedup_vs_budget.png and tau_vs_budget.png; returns their paths."""
     lines, metas = load_results(paths)
-    groups = group_metrics(lines)
+    groups, labels = group_metrics(lines), head_sets(lines)
     if not groups:
         raise ValueError(f"no usable result lines in {', '.join(paths)}")
     os.makedirs(out_dir, exist_ok=True)
@@ -334,15 +410,15 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
         log.warning("matplotlib is not installed, so the report has no plots: pip install -e \".[eval]\"")
         plots = {}
     for field, (name, ylabel) in plots.items():
-        plot_vs_budget(headline, field, ylabel, os.path.join(out_dir, name))
+        plot_vs_budget(headline, labels, field, ylabel, os.path.join(out_dir, name))
     errors = [line for line in lines if "error" in line]
-    md = header(paths, metas, groups)
+    md = header(paths, metas, groups, labels)
     md += ["## Definitions", "", DEFINITIONS, "", "## Lossless check", ""] + lossless_lines(groups)
     md += failed_runs(errors)
     others = sorted({g["precision"] for g in groups} - {main})
     elsewhere = f"; {', '.join(others)} in the per-benchmark tables" if others else ""
-    md += [f"## Summary: speedup/tau ({main}{elsewhere})", ""] + summary_table(headline) + ["", "## Per benchmark", ""]
-    md += benchmark_tables(groups)
+    md += [f"## Summary: speedup/tau ({main}{elsewhere})", ""] + summary_table(headline, labels)
+    md += ["", "## Per benchmark", ""] + benchmark_tables(groups, labels)
     if plots:
         md += ["## Plots", ""] + [f"![{field}]({name})" for field, (name, _) in plots.items()] + [""]
     md_path, json_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.json")
@@ -352,6 +428,6 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
     os.replace(tmp, md_path)
     failed_prompts = {bench: list(dict.fromkeys(r["id"] for r in rows))
                       for bench, rows in failed_by_benchmark(errors).items()}
-    write_json_atomic(json_path, {"sources": paths, "runs": metas, "groups": groups,
+    write_json_atomic(json_path, {"sources": paths, "runs": metas, "head_sets": labels, "groups": groups,
                                   "failed_runs": len(errors), "failed_prompts": failed_prompts})
     return [md_path, json_path] + [os.path.join(out_dir, name) for name, _ in plots.values()]

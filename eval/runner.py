@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import sys
 from typing import Any
 
@@ -23,7 +24,8 @@ from jetspec_jax.target import Target, default_dtype, load_target, target_identi
 
 from .datasets import BENCHMARKS, EvalItem, load_benchmark
 from .heads import ROLE_OF_METHOD, HeadSource, resolve_heads
-from .records import ResultsWriter, check_compatible, line_key, read_lines, read_meta, record_run
+from .records import (ResultsWriter, check_compatible, heads_label, line_key, read_lines, read_meta,
+                      record_run)
 from .scoring import Score, score_completion
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class EvalConfig:
     data_dir: str | None = None
     results: str = DEFAULT_RESULTS
     head_dirs: dict = dataclasses.field(default_factory=dict)  # role ("jetspec"/"bidirectional") -> dir
+    heads_label: str | None = None  # names the head set in reports; None: records.heads_label of the dirs
     allow_untrained: bool = False
     model: str | None = None
     dtype: str | None = None
@@ -73,6 +76,9 @@ class EvalConfig:
                      if not (math.isfinite(t) and t >= 0)]
         if self.limit is not None and self.limit < 0:
             problems.append(f"limit must be >= 0 (or left out for all prompts), got {self.limit}")
+        if self.heads_label is not None and not re.fullmatch(r"[\w.+-]+", self.heads_label):
+            problems.append(f"heads_label must be letters, digits and . _ + - (it names the head set in the "
+                            f"report's tables), got {self.heads_label!r}")
         if self.width < 1:
             problems.append(f"width must be >= 1, got {self.width}")
         if not (math.isfinite(self.code_timeout) and self.code_timeout > 0):
@@ -138,7 +144,7 @@ class Evaluator:
     def __init__(self, config: EvalConfig, target: Target, heads: dict[str, HeadSource], run_index: int,
                  ar_tokens: dict[tuple, list[int]], matmul_precision: str):
         self.config, self.target, self.run_index = config, target, run_index
-        self.matmul_precision = matmul_precision
+        self.matmul_precision, self.heads_label = matmul_precision, run_heads_label(config, heads)
         self.heads = heads
         self.head_params = {role: h.load(target, config.seed) for role, h in heads.items()}
         for head_cfg, _ in self.head_params.values():
@@ -240,7 +246,8 @@ class Evaluator:
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
                 "head": head.name if head else None,
-                "head_sha256": head.sha256 if head else None, "run": self.run_index}
+                "head_sha256": head.sha256 if head else None,
+                "heads_label": self.heads_label, "run": self.run_index}
         reason = self.does_not_fit(item)
         if reason is not None:  # an error line for each of its runs: recorded, and resumes skip it
             if (item.benchmark, item.id) not in self.skipped:
@@ -292,9 +299,16 @@ def set_matmul_precision(config: EvalConfig, dtype: str) -> str:
     return jax.config.jax_default_matmul_precision or "default"
 
 
-def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: str) -> dict[str, Any]:
+def run_heads_label(config: EvalConfig, heads: dict[str, HeadSource]) -> str:
+    """The name of the run's head set in reports: --heads-label, else one made from the heads' dirs."""
+    return config.heads_label or heads_label(h.name for h in heads.values())
+
+
+def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: str,
+                 heads: dict[str, HeadSource]) -> dict[str, Any]:
     """What must not change between runs appending to one results file."""
     return {"target": target_name, "dtype": dtype, "matmul_precision": precision,
+            "heads_label": run_heads_label(config, heads),
             "max_new_tokens": config.max_new_tokens, "width": config.width,
             "tree_temperature": config.tree_temperature, "gemm_backend": config.gemm_backend, "seed": config.seed,
             "attention": config.attention, "prompt_bucket": config.prompt_bucket}
@@ -327,7 +341,7 @@ def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> 
         log.info("adding ar: every method is timed and checked against it")
     dtype = str(jnp.dtype(target.params["embed"].dtype if target is not None
                           else config.dtype or default_dtype()))
-    settings = run_settings(config, identity.name, dtype, set_matmul_precision(config, dtype))
+    settings = run_settings(config, identity.name, dtype, set_matmul_precision(config, dtype), heads)
     head_ids = {role: h.sha256 or h.name for role, h in heads.items()}
     check_compatible(config.results, settings, head_ids)
     specs = plan_runs(config, heads, items)

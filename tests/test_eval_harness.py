@@ -58,6 +58,7 @@ def test_run_writes_one_line_per_run(finished_run):
         assert 1 <= line["num_generated"] <= 12
         assert line["decode_seconds"] >= 0 and line["prefill_seconds"] > 0
         assert line["correct"] in (True, False) and isinstance(line["text"], str)
+        assert line["heads_label"] == "shipped"  # the default name of the packaged heads
         if line["method"] == "ar":
             assert line["head_sha256"] is None and len(line["token_ids"]) == line["num_generated"]
         else:
@@ -65,7 +66,7 @@ def test_run_writes_one_line_per_run(finished_run):
             assert sum(line["accept_counts"]) == line["target_forwards"]
     meta = json.loads(open(meta_path(str(results))).read())
     assert meta["settings"]["max_new_tokens"] == 12 and "--limit 2" in meta["runs"][0]["command"]
-    assert meta["heads"] == {"jetspec": head_sha}
+    assert meta["heads"] == {"jetspec": head_sha} and meta["settings"]["heads_label"] == "shipped"
 
 
 def test_jetspec_tokens_equal_ar_in_fp32(finished_run):
@@ -155,6 +156,23 @@ def test_gemm_backend_is_a_setting_that_older_files_ran_at_xla(finished_run, cap
     assert main(RUN_ARGS + ["--gemm-backend", "cublas", "--results", str(older)]) == 2
 
 
+def test_heads_label_is_a_setting_that_older_files_derive_from_their_heads(finished_run, capsys, tmp_path):
+    """A file resumes under its own head-set label only; one written before the label was recorded
+    resumes under the label `report` gives its lines (here "shipped")."""
+    results, _ = finished_run
+    assert main(RUN_ARGS + ["--heads-label", "other", "--results", str(results)]) == 2
+    assert "different settings (heads_label)" in capsys.readouterr().err
+    older = tmp_path / "older.jsonl"
+    older.write_text("".join(json.dumps({k: v for k, v in line.items() if k != "heads_label"}) + "\n"
+                             for line in read_lines(str(results))))
+    meta = json.loads(open(meta_path(str(results))).read())
+    del meta["settings"]["heads_label"]
+    open(meta_path(str(older)), "w").write(json.dumps(meta))
+    assert run_cli(older) == 0  # nothing runs
+    assert main(RUN_ARGS + ["--heads-label", "shipped", "--results", str(older)]) == 0
+    assert main(RUN_ARGS + ["--heads-label", "other", "--results", str(older)]) == 2
+
+
 def test_shipped_heads_serve_every_method(finished_run):
     _, target = finished_run
     heads = resolve_heads(("ar", "dflash", "ddtree", "jetspec"), {}, target, allow_untrained=False)
@@ -189,6 +207,7 @@ def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog,
     (["--gemm-backend", "cudnn"], "invalid choice: 'cudnn'"),
     (["--heads", "jetspec=/no/such/head"], "no draft head at /no/such/head"),
     (["--heads", "causal=/tmp"], "expected ROLE=DIR"),
+    (["--heads-label", "new heads"], "heads_label must be letters, digits and . _ + -"),
     (["--data-dir", "/no/such/data"], "does not exist; point --data-dir"),
     (["--limit"], "expected one argument"),
     (["--results", "/tmp/archived.jsonl.gz"], "is gzipped (an archived run, read-only)"),

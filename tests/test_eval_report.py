@@ -1,5 +1,6 @@
 """Eval report arithmetic on hand-made result lines: tau, speedups over paired prompts, accuracy
-against AR, T=0 mismatch counts (an fp32 mismatch is flagged as a bug), histograms, failed runs."""
+against AR, T=0 mismatch counts (an fp32 mismatch is flagged as a bug), histograms, failed runs, and
+two head sets side by side, each against its own run's AR."""
 
 from __future__ import annotations
 
@@ -11,20 +12,21 @@ import sys
 
 import pytest
 
-from jetspec_jax.eval.records import read_lines
+from jetspec_jax.eval.records import label_heads, read_lines
 from jetspec_jax.eval.report import group_metrics, write_report
 
 
 def line(method, budget, id="0", *, generated=11, decode=1.0, total=1.5, forwards=None, accepts=None,
          correct=True, matches=None, dtype="float32", precision="highest", temperature=0.0,
-         benchmark="gsm8k"):
+         benchmark="gsm8k", head="heads/h", sha="abc", label=None):
+    """A results line; `label` None is a line from before the head-set label was recorded."""
     speculative = method != "ar"
     return {"benchmark": benchmark, "id": id, "method": method, "budget": budget,
             "temperature": temperature, "num_generated": generated, "decode_seconds": decode,
             "total_seconds": total, "target_forwards": forwards, "accept_counts": accepts,
             "correct": correct, "matches_ar": matches, "dtype": dtype, "matmul_precision": precision,
-            "head": "heads/h" if speculative else None, "head_sha256": "abc" if speculative else None,
-            "text": ""}
+            "head": head if speculative else None, "head_sha256": sha if speculative else None,
+            "text": "", **({"heads_label": label} if label else {})}
 
 
 def write_lines(path, lines):
@@ -100,15 +102,84 @@ def test_gzipped_results_read_like_plain_ones(tmp_path):
     assert groups[0] == groups[1] and len(groups[0]) == 2
 
 
-def test_two_heads_in_one_group_are_refused(tmp_path):
-    """An older head's archive given with a newer one's would blend both heads' prompts into one tau."""
-    old = [line("ar", None), line("jetspec", 16, forwards=4, matches=True)]
-    new = [line("ar", None, id="1"), {**line("jetspec", 16, id="1", forwards=5, matches=True), "head_sha256": "def"}]
+@pytest.mark.parametrize("label", [None, "new"])
+def test_two_heads_under_one_label_are_refused(tmp_path, label):
+    """An older head's archive given with a newer one's under one head-set label (the default one of
+    the same head directory, or the same --heads-label) would blend both heads' prompts into one tau."""
+    old = [line("ar", None, label=label), line("jetspec", 16, forwards=4, matches=True, label=label)]
+    new = [line("ar", None, id="1", label=label),
+           line("jetspec", 16, id="1", forwards=5, matches=True, sha="def", label=label)]
     write_lines(tmp_path / "old.jsonl", old)
     write_lines(tmp_path / "new.jsonl", new)
-    with pytest.raises(ValueError, match=r"2 draft heads in one group \(gsm8k jetspec B=16 T=0.0 float32/highest\)"):
+    with pytest.raises(ValueError, match=r"2 draft heads in one group \(gsm8k jetspec B=16 T=0.0 float32/highest, "
+                                         rf"head set {label or 'h'}\): sha256 abc, def; run each head set with its "
+                                         "own --heads-label"):
         write_report([str(tmp_path / "old.jsonl"), str(tmp_path / "new.jsonl")], str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # nothing written before the refusal
+
+
+def two_head_sets(tmp_path):
+    """The shipped heads' run (written before the label was recorded) and a new head set's run of the
+    same two prompts, each with its own AR: the new run's AR is twice as slow (another machine)."""
+    shipped = dict(head="/elsewhere/jetspec_jax/heads/smollm2-135m-jetspec", sha="abc")
+    new = dict(head="runs/h9000", sha="def", label="new")
+    write_lines(tmp_path / "shipped.jsonl", [
+        line("ar", None, id=i, decode=1.0, **shipped) for i in "01"] + [
+        line("jetspec", 16, id=i, decode=0.5, forwards=4, accepts=[1, 3], matches=True, **shipped) for i in "01"])
+    write_lines(tmp_path / "new.jsonl", [
+        line("ar", None, id=i, decode=2.0, total=3.0, **new) for i in "01"] + [
+        line("jetspec", 16, id=i, decode=0.5, forwards=2, accepts=[0, 2], matches=True, **new) for i in "01"] + [
+        line("jetspec", 64, id=i, decode=0.4, forwards=2, matches=True, **new) for i in "01"])
+    return [str(tmp_path / "shipped.jsonl"), str(tmp_path / "new.jsonl")]
+
+
+def test_two_head_sets_report_side_by_side(tmp_path, caplog):
+    """Each head set's groups are its own, and its speedup is against its own run's AR: the new heads'
+    jetspec is timed like the shipped ones' but its AR is twice as slow, so its speedup is twice."""
+    with caplog.at_level(logging.WARNING):
+        paths = write_report(two_head_sets(tmp_path), str(tmp_path / "out"))
+    assert "repeats" not in caplog.text  # the second run's AR lines replace none of the first's
+    report = json.loads(open(paths[1]).read())
+    assert report["head_sets"] == ["shipped", "new"]  # in the order the files were given: Δ is new - shipped
+    groups = {(g["method"], g["budget"], g["heads_label"]): g for g in report["groups"]}
+    assert sorted(groups) == [("ar", None, "new"), ("ar", None, "shipped"), ("jetspec", 16, "new"),
+                              ("jetspec", 16, "shipped"), ("jetspec", 64, "new")]
+    shipped, new = groups[("jetspec", 16, "shipped")], groups[("jetspec", 16, "new")]
+    assert shipped["n"] == new["n"] == 2 and groups[("ar", None, "new")]["n"] == 2
+    assert shipped["tau"] == pytest.approx(20 / 8) and new["tau"] == pytest.approx(20 / 4)
+    assert shipped["speedup"] == pytest.approx(2.0) and new["speedup"] == pytest.approx(4.0)
+    assert new["e2e_speedup"] == pytest.approx(2.0) and shipped["e2e_speedup"] == pytest.approx(1.0)
+    assert new["heads"] == [["runs/h9000", "def"]]
+    md = open(paths[0]).read()
+    assert "| T | method | B | heads | gsm8k |" in md
+    assert "| 0 | jetspec | 16 | shipped | 2.00/2.50 |" in md and "| 0 | jetspec | 16 | new | 4.00/5.00 |" in md
+    assert "| jetspec B=16 | new | float32/highest | 0 | 2 | 5.00 |" in md  # per-benchmark table
+    assert ("| method | T | tau shipped | tau new | Δ tau new | speedup shipped | speedup new | Δ speedup new |"
+            in md)
+    assert "| jetspec B=16 | 0 | 2.50 | 5.00 | +2.50 | 2.00 | 4.00 | +2.00 |" in md
+    assert "| jetspec B=64 | 0 |" not in md  # run by one head set only: nothing to set beside it
+    assert "- new: runs/h9000, `def`" in md and "- shipped: /elsewhere/jetspec_jax/heads/smollm2-135m-jetspec" in md
+
+
+def test_one_head_set_has_no_side_by_side(tmp_path):
+    paths = write_report(two_head_sets(tmp_path)[1:], str(tmp_path / "out"))
+    md = open(paths[0]).read()
+    assert "| T | method | B | gsm8k |" in md and "side by side" not in md and "| heads |" not in md
+
+
+def test_lines_from_before_the_label_get_their_head_directories_name():
+    """What `run` would name the head set now: "shipped" for packaged heads (on any machine), else the
+    names of the other head directories; a recorded label stays."""
+    def labels(*heads):
+        return {x["heads_label"] for x in label_heads([line("ar", None)] + [
+            line(m, 16, head=h) for m, h in zip(("jetspec", "ddtree"), heads)])}
+    assert labels("/work/main/jetspec_jax/heads/smollm2-135m-jetspec",
+                  "/work/main/jetspec_jax/heads/smollm2-135m-dflash") == {"shipped"}
+    assert labels("runs/causal_9000/", "/abs/bidir_9000") == {"bidir_9000+causal_9000"}
+    assert labels("runs/causal_9000", "jetspec_jax/heads/smollm2-135m-dflash") == {"causal_9000"}
+    assert labels("untrained") == {"untrained"} and labels() == {"shipped"}  # AR alone: the default set
+    recorded = [line("ar", None, label="mine"), line("jetspec", 16, label="mine")]
+    assert label_heads(recorded) == recorded
 
 
 def test_two_tree_temperatures_in_one_group_are_refused(tmp_path):
