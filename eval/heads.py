@@ -1,5 +1,5 @@
 """Which draft head each speculative method runs with (a `--heads` directory, the head shipped for the
-target, or an untrained one when allowed), identified by the sha256 of its weights file."""
+target, or an untrained one when allowed), identified by the sha256 of its weights (HeadRecord.weights_digest)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 from typing import Any
 
 from jetspec_jax.generate import random_head
-from jetspec_jax.loading.head_checkpoint import (check_head_target, file_sha256, load_head, no_head_message,
-                                                 packaged_head_path, verify_head_files)
+from jetspec_jax.loading.head_checkpoint import (check_head_target, load_head, no_head_message, packaged_head_path,
+                                                 verify_head_files)
 from jetspec_jax.models import draft_head
 from jetspec_jax.fingerprint import TargetIdentity
 from jetspec_jax.target import Target
@@ -50,7 +50,7 @@ def head_from_dir(role: str, path: str, target: Target | TargetIdentity) -> Head
     if isinstance(cfg.attention, str) and cfg.attention != ATTENTION_OF_ROLE[role]:
         raise ValueError(f"the {role} head at {path} has {cfg.attention} attention; that role needs a "
                          f"{ATTENTION_OF_ROLE[role]} head")
-    return HeadSource(role, path, record.weights_sha256 or file_sha256(record.weights_path), cfg.block_size)
+    return HeadSource(role, path, record.weights_digest(), cfg.block_size)
 
 
 def resolve_heads(methods, head_dirs: dict[str, str], target: Target | TargetIdentity,

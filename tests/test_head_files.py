@@ -8,7 +8,9 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import make_tiny_checkpoint
 
@@ -16,8 +18,11 @@ from jetspec_jax import generate as generate_cli
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main as eval_main
 from jetspec_jax.eval.heads import resolve_heads
-from jetspec_jax.loading.head_checkpoint import (CONFIG_FILE, WEIGHTS_FILE, load_head, packaged_head_path,
-                                                 save_head)
+from jetspec_jax.loading.head_checkpoint import (CONFIG_FILE, MAX_SHARD_BYTES, PACKAGED_HEADS_DIR, SHARDS_KEY,
+                                                 WEIGHTS_FILE, file_sha256, load_head, packaged_head_path,
+                                                 save_head, shard_file_name, verify_head_files)
+from jetspec_jax.models import draft_head
+from jetspec_jax.models.params import init_params, path_to_str
 from jetspec_jax.target import load_target
 from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
@@ -189,8 +194,6 @@ def test_unreadable_weights_without_a_recorded_sha(embedded_target, shipped_head
 
 
 def head_config_keys() -> list[str]:
-    from jetspec_jax.loading.head_checkpoint import PACKAGED_HEADS_DIR
-
     with open(os.path.join(PACKAGED_HEADS_DIR, "smollm2-135m-jetspec", CONFIG_FILE)) as f:
         return list(json.load(f))
 
@@ -238,3 +241,141 @@ def test_identity_read_from_files_equals_the_loaded_targets(embedded_target, ren
     assert target_identity(renamed_target.source) == renamed_target.identity
     _, path, _ = tiny_checkpoint  # Qwen3, Qwen3-MoE and Llama layouts
     assert target_identity(path) == load_target(path, dtype="float32", with_tokenizer=False).identity
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded weights: heads over MAX_SHARD_BYTES (3- and 4-layer heads of the embedded model) are split so
+# that no file passes the repository's 16 MiB limit.
+
+
+def sharded_head(tiny_qwen3, path, shards_wanted=3):
+    """A random tiny head saved with a limit that splits it into about `shards_wanted` files."""
+    target, _ = tiny_qwen3
+    cfg, params = generate_cli.random_head(target, "causal", seed=5)
+    total = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(params))
+    limit = total // shards_wanted + 4096  # room for each file's header and metadata
+    save_head(str(path), cfg, params, metadata={"note": "test"}, target=target, max_shard_bytes=limit)
+    return cfg, params, limit
+
+
+def flat_params(params) -> dict[str, np.ndarray]:
+    """Parameter name (as the weights files key it) -> array."""
+    return {path_to_str(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def shard_paths(head_dir) -> list[str]:
+    record = json.loads((head_dir / CONFIG_FILE).read_text())
+    return [str(head_dir / shard["file"]) for shard in record[SHARDS_KEY]]
+
+
+def test_sharded_head_round_trip(tiny_qwen3, tmp_path):
+    from safetensors import safe_open
+
+    cfg, params, limit = sharded_head(tiny_qwen3, tmp_path / "head")
+    record = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())
+    shards = record[SHARDS_KEY]
+    assert len(shards) >= 3 and "weights_sha256" not in record
+    assert [s["file"] for s in shards] == [shard_file_name(i, len(shards)) for i in range(1, len(shards) + 1)]
+    assert sorted(os.listdir(tmp_path / "head")) == sorted([CONFIG_FILE] + [s["file"] for s in shards])
+    assert sorted(os.listdir(tmp_path)) == ["head"]  # written atomically: no temporary left behind
+    keys = []
+    for shard in shards:
+        path = str(tmp_path / "head" / shard["file"])
+        assert os.path.getsize(path) <= limit and file_sha256(path) == shard["sha256"]
+        with safe_open(path, framework="numpy") as f:
+            keys.append(sorted(f.keys()))
+    # every tensor whole in one shard, filled greedily in sorted name order
+    assert [k for shard_keys in keys for k in shard_keys] == sorted(flat_params(params))
+    loaded_cfg, loaded = load_head(str(tmp_path / "head"), jnp.float32, target=tiny_qwen3[0])
+    assert loaded_cfg == cfg
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    digest = verify_head_files(str(tmp_path / "head")).weights_digest()
+    assert len(digest) == 64 and digest not in {s["sha256"] for s in shards}
+
+
+def test_tampered_shard_is_refused(tiny_qwen3, tmp_path, capsys):
+    sharded_head(tiny_qwen3, tmp_path / "head")
+    second = shard_paths(tmp_path / "head")[1]
+    with open(second, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ValueError, match="its sha256 differs .* re-export the head") as e:
+        load_head(str(tmp_path / "head"), jnp.float32)
+    assert str(e.value).startswith(second)
+    code, _, err = run_cli(["hi", "--head", str(tmp_path / "head")] + FAST, capsys)  # refused before the model loads
+    assert code == 2
+    assert_one_error_line(err, second, "sha256", "truncated or corrupt")
+
+
+def test_missing_shard_is_refused(tiny_qwen3, tmp_path, capsys):
+    sharded_head(tiny_qwen3, tmp_path / "head")
+    last = shard_paths(tmp_path / "head")[-1]
+    os.remove(last)
+    with pytest.raises(ValueError, match="missing .*lists [0-9]+ weight shards; missing: head-0000"):
+        load_head(str(tmp_path / "head"), jnp.float32)
+    code, _, err = run_cli(["hi", "--head", str(tmp_path / "head")] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, last, "missing", "re-export the head")
+
+
+@pytest.mark.parametrize("shards", [[], "head-00001-of-00001.safetensors",
+                                    [{"file": "../elsewhere.safetensors", "sha256": "0" * 64}],
+                                    [{"file": "head-00002-of-00002.safetensors", "sha256": "0" * 64}]])
+def test_malformed_shard_list_is_refused(tiny_qwen3, tmp_path, capsys, shards):
+    sharded_head(tiny_qwen3, tmp_path / "head")
+    edit_config(str(tmp_path / "head"), lambda d: d.update({SHARDS_KEY: shards}))
+    code, _, err = run_cli(["hi", "--head", str(tmp_path / "head")] + FAST, capsys)
+    assert code == 2
+    assert_one_error_line(err, str(tmp_path / "head" / CONFIG_FILE), repr(SHARDS_KEY))
+
+
+def test_sharded_head_without_its_shard_list_is_no_head(tiny_qwen3, tmp_path):
+    """draft_config.json edited back to the one-file layout: the shards are not read as head.safetensors."""
+    sharded_head(tiny_qwen3, tmp_path / "head")
+    edit_config(str(tmp_path / "head"), lambda d: d.pop(SHARDS_KEY))
+    with pytest.raises(FileNotFoundError, match="no draft head"):
+        load_head(str(tmp_path / "head"), jnp.float32)
+
+
+def test_heads_below_the_limit_keep_one_file(tiny_qwen3, tmp_path):
+    target, _ = tiny_qwen3
+    cfg, params = generate_cli.random_head(target, "causal")
+    save_head(str(tmp_path / "head"), cfg, params)
+    assert sorted(os.listdir(tmp_path / "head")) == [CONFIG_FILE, WEIGHTS_FILE]
+    record = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())
+    assert record["weights_sha256"] == file_sha256(str(tmp_path / "head" / WEIGHTS_FILE)) and SHARDS_KEY not in record
+
+
+@pytest.mark.parametrize("num_layers", [3, 4])
+def test_deeper_heads_of_the_embedded_model_stay_under_the_repository_limit(embedded_target, tmp_path, num_layers):
+    cfg = draft_head.DraftConfig.for_target(embedded_target.cfg, num_layers=num_layers, intermediate_size=1024)
+    params = init_params(draft_head.param_specs(cfg), jax.random.key(0), jnp.bfloat16)
+    assert sum(leaf.nbytes for leaf in jax.tree.leaves(params)) > 16 * 2**20  # one file would break the rule
+    save_head(str(tmp_path / "head"), cfg, params, metadata={"summary": "x" * 4000}, target=embedded_target)
+    files = shard_paths(tmp_path / "head")
+    assert len(files) == 2 and all(os.path.getsize(f) <= MAX_SHARD_BYTES for f in files)
+    _, loaded = load_head(str(tmp_path / "head"), jnp.bfloat16, target=embedded_target)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-jetspec", "smollm2-135m-dflash"])
+def test_shipped_single_file_heads_verify_and_load_unchanged(name):
+    """Heads exported before shards existed: one head.safetensors, its sha256 recorded and still the identity."""
+    from safetensors import safe_open
+
+    path = os.path.join(PACKAGED_HEADS_DIR, name)
+    record = verify_head_files(path)
+    weights = os.path.join(path, WEIGHTS_FILE)
+    assert record.weights_shards == () and record.weight_files == ((weights, record.weights_sha256),)
+    assert record.weights_digest() == record.weights_sha256 == file_sha256(weights)
+    _, params = load_head(path, jnp.bfloat16)
+    flat = flat_params(params)
+    with safe_open(weights, framework="numpy") as f:
+        assert sorted(f.keys()) == sorted(flat)
+        for key in f.keys():
+            np.testing.assert_array_equal(flat[key], f.get_tensor(key))

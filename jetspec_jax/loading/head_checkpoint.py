@@ -1,9 +1,10 @@
-"""Trained draft heads as portable files: `draft_config.json` + `head.safetensors` in one directory.
+"""Trained draft heads as portable files: `draft_config.json` + `head.safetensors` in one directory, or
+`head-00001-of-0000N.safetensors` ... shards where the weights outgrow MAX_SHARD_BYTES.
 (Training checkpoints with optimizer state are orbax's business; this is the inference export.)
 
 `draft_config.json` holds the head's shape (DraftConfig), the fingerprint and name of the target it was
-trained for, and the sha256 of the weights file, so a damaged file or a head paired with another model
-is refused with a message instead of decoding with wrong weights."""
+trained for, and the sha256 of the weights file (of each shard), so a damaged file or a head paired with
+another model is refused with a message instead of decoding with wrong weights."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ import numpy as np
 
 from jetspec_jax.errors import DamagedFileError, InputError
 from jetspec_jax.loading.assemble import CheckpointMismatch, Rule, assemble_params
+from jetspec_jax.loading.hf_dir import iter_safetensors
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import flatten_specs, path_to_str
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "head.safetensors"
+# The repository takes no file over 16 MiB, and shipped heads live in it: larger weights are split.
+MAX_SHARD_BYTES = 15 * 2**20
 # Keys of draft_config.json beside DraftConfig's fields; heads exported before they existed lack them.
 RECORD_KEYS = ("target_fingerprint", "target_name", "weights_sha256")
+# A sharded head lists its files in order, [{"file": ..., "sha256": ...}], instead of weights_sha256.
+SHARDS_KEY = "weights_shards"
 TRAIN_HINT = ("train one with: python -m jetspec_jax.train --config train/configs/smollm2-135m-jetspec.toml "
               "run.target=YOUR_MODEL (see docs/training.md)")
 
@@ -41,10 +47,25 @@ class HeadRecord:
     target_fingerprint: str | None
     target_name: str | None
     weights_sha256: str | None
+    weights_shards: tuple[tuple[str, str], ...] = ()  # (file name, sha256) of each shard, in order
 
     @property
-    def weights_path(self) -> str:
-        return os.path.join(self.path, WEIGHTS_FILE)
+    def weight_files(self) -> tuple[tuple[str, str | None], ...]:
+        """(path, recorded sha256 or None) of each weights file: head.safetensors, or the shards."""
+        if self.weights_shards:
+            return tuple((os.path.join(self.path, name), sha) for name, sha in self.weights_shards)
+        return ((os.path.join(self.path, WEIGHTS_FILE), self.weights_sha256),)
+
+    def weights_digest(self) -> str:
+        """The weights' identity: head.safetensors' sha256 (hashed here if not recorded), or for a sharded
+        head the sha256 of its shards' sha256s in order."""
+        if self.weights_shards:
+            return hashlib.sha256(json.dumps([sha for _, sha in self.weights_shards]).encode()).hexdigest()
+        return self.weights_sha256 or file_sha256(self.weight_files[0][0])
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return f"head-{index:05d}-of-{count:05d}.safetensors"
 
 
 def config_to_json(cfg: draft_head.DraftConfig) -> dict[str, Any]:
@@ -79,6 +100,17 @@ def _type_problem(name: str, annotation: Any, value: Any) -> str | None:
     return None
 
 
+def _shards_problem(value: Any) -> str | None:
+    """Why `value` is not a weights_shards list, or None."""
+    entries_ok = isinstance(value, list) and value and all(
+        isinstance(e, dict) and set(e) == {"file", "sha256"} and all(isinstance(v, str) for v in e.values())
+        for e in value)
+    if not entries_ok:
+        return 'a non-empty list of {"file": name, "sha256": hex digest} objects'
+    names = [shard_file_name(i, len(value)) for i in range(1, len(value) + 1)]
+    return None if [e["file"] for e in value] == names else f"the files {names} in this order"
+
+
 def config_from_json(data: Any, source: str = CONFIG_FILE) -> draft_head.DraftConfig:
     """DraftConfig from draft_config.json's content; every missing, unknown or ill-typed key is named."""
     fix = "re-export the head (python -m jetspec_jax.train ... run.export_head=DIR) or restore the file"
@@ -87,13 +119,18 @@ def config_from_json(data: Any, source: str = CONFIG_FILE) -> draft_head.DraftCo
     hints = typing.get_type_hints(draft_head.DraftConfig)
     fields = [f.name for f in dataclasses.fields(draft_head.DraftConfig)]
     problems = [f"missing key {name!r}" for name in fields if name not in data]
-    problems += [f"unknown key {key!r}" for key in data if key not in fields and key not in RECORD_KEYS]
+    problems += [f"unknown key {key!r}" for key in data
+                 if key not in fields and key not in RECORD_KEYS and key != SHARDS_KEY]
     for name in fields:
         if name in data and (want := _type_problem(name, hints[name], data[name])):
             problems.append(f"{name!r} is {json.dumps(data[name])}, expected {want}")
     for key in RECORD_KEYS:
         if key in data and not isinstance(data[key], str):
             problems.append(f"{key!r} is {json.dumps(data[key])}, expected a string")
+    if SHARDS_KEY in data and (want := _shards_problem(data[SHARDS_KEY])):
+        problems.append(f"{SHARDS_KEY!r} is {json.dumps(data[SHARDS_KEY])}, expected {want}")
+    if SHARDS_KEY in data and "weights_sha256" in data:
+        problems.append(f"both 'weights_sha256' and {SHARDS_KEY!r}: a head has one weights file or shards")
     if problems:
         raise DamagedFileError(source, "; ".join(problems), fix)
     values = {name: data[name] for name in fields}
@@ -107,9 +144,10 @@ def config_from_json(data: Any, source: str = CONFIG_FILE) -> draft_head.DraftCo
 
 
 def read_head_record(path: str) -> HeadRecord:
-    config_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
-        raise FileNotFoundError(f"no draft head at {path} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+    config_path = os.path.join(path, CONFIG_FILE)
+    no_head = f"no draft head at {path} (expected {CONFIG_FILE} and {WEIGHTS_FILE} or its shards)"
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(no_head)
     try:
         with open(config_path, encoding="utf-8") as f:
             data = json.load(f)
@@ -117,7 +155,15 @@ def read_head_record(path: str) -> HeadRecord:
         raise DamagedFileError(config_path, f"not valid JSON ({e})",
                                "restore the file or re-export the head") from None
     cfg = config_from_json(data, config_path)
-    return HeadRecord(path, cfg, *(data.get(key) for key in RECORD_KEYS))
+    shards = tuple((e["file"], e["sha256"]) for e in data.get(SHARDS_KEY, ()))
+    record = HeadRecord(path, cfg, *(data.get(key) for key in RECORD_KEYS), shards)
+    missing = [file for file, _ in record.weight_files if not os.path.isfile(file)]
+    if missing and not shards:
+        raise FileNotFoundError(no_head)
+    if missing:
+        raise DamagedFileError(missing[0], f"missing ({CONFIG_FILE} lists {len(shards)} weight shards; "
+                               f"missing: {', '.join(os.path.basename(m) for m in missing)})", WEIGHTS_FIX)
+    return record
 
 
 def file_sha256(path: str) -> str:
@@ -142,12 +188,29 @@ WEIGHTS_FIX = "re-export the head, or reinstall jetspec-jax for a shipped head"
 
 
 def verify_head_files(path: str) -> HeadRecord:
-    """Checks the config and, where it records one, the weights' sha256, without loading anything."""
+    """Checks the config and, where it records them, the weights files' sha256, without loading anything."""
     record = read_head_record(path)
-    if record.weights_sha256 is not None and file_sha256(record.weights_path) != record.weights_sha256:
-        raise DamagedFileError(record.weights_path, f"its sha256 differs from the one {CONFIG_FILE} records "
-                               "(truncated or corrupt)", WEIGHTS_FIX)
+    for file, sha in record.weight_files:
+        if sha is not None and file_sha256(file) != sha:
+            raise DamagedFileError(file, f"its sha256 differs from the one {CONFIG_FILE} records "
+                                   "(truncated or corrupt)", WEIGHTS_FIX)
     return record
+
+
+def load_head_weights(record: HeadRecord, dtype) -> Any:
+    """The parameters of a head whose files `verify_head_files` checked."""
+    from safetensors import SafetensorError
+
+    specs = draft_head.param_specs(record.cfg)
+    rules = [Rule(re.escape(name), name) for name in flatten_specs(specs)]
+    files = [file for file, _ in record.weight_files]
+    source = files[0] if len(files) == 1 else f"{record.path} ({len(files)} shards)"
+    try:
+        return assemble_params(specs, iter_safetensors(files, fix=WEIGHTS_FIX), rules, dtype, source=source)
+    except (CheckpointMismatch, DamagedFileError):
+        raise
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DamagedFileError(source, f"not a readable safetensors file ({e})", WEIGHTS_FIX) from None
 
 
 def load_head(path: str, dtype, target=None) -> tuple[draft_head.DraftConfig, Any]:
@@ -156,26 +219,30 @@ def load_head(path: str, dtype, target=None) -> tuple[draft_head.DraftConfig, An
     if target is not None:
         check_head_target(record, target)
         draft_head.check_pairing(record.cfg, target.cfg)
-    from safetensors import SafetensorError, safe_open
+    return record.cfg, load_head_weights(record, dtype)
 
-    specs = draft_head.param_specs(record.cfg)
-    rules = [Rule(re.escape(name), name) for name in flatten_specs(specs)]
-    try:
-        with safe_open(record.weights_path, framework="numpy") as f:
-            tensors = [(key, (lambda key=key: f.get_tensor(key))) for key in f.keys()]
-            params = assemble_params(specs, tensors, rules, dtype, source=record.weights_path)
-    except CheckpointMismatch:
-        raise
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DamagedFileError(record.weights_path, f"not a readable safetensors file ({e})",
-                               WEIGHTS_FIX) from None
-    return record.cfg, params
+
+def plan_shards(flat: dict[str, np.ndarray], metadata: dict[str, str], max_bytes: int) -> list[list[str]]:
+    """Tensor names per weights file: greedy in sorted order, whole tensors, each file at most `max_bytes`
+    (a tensor larger than that gets a file of its own)."""
+    # a safetensors file: 8-byte header length, JSON header (tensor entries + metadata) padded to 8, data
+    base = 8 + 7 + len(json.dumps({"__metadata__": metadata}))
+    shards, size = [[]], base
+    for key in sorted(flat):
+        entry = {key: {"dtype": "F8_E4M3", "shape": list(flat[key].shape), "data_offsets": [max_bytes] * 2}}
+        need = flat[key].nbytes + len(json.dumps(entry))  # json.dumps' spaces make this an upper bound
+        if shards[-1] and size + need > max_bytes:
+            shards.append([])
+            size = base
+        shards[-1].append(key)
+        size += need
+    return shards
 
 
 def save_head(path: str, cfg: draft_head.DraftConfig, params: Any, metadata: dict[str, str] | None = None,
-              target=None):
+              target=None, max_shard_bytes: int = MAX_SHARD_BYTES):
     """Writes atomically (a temporary directory is renamed into place); with `target`, records which
-    model the head was trained for."""
+    model the head was trained for. Weights over `max_shard_bytes` are split into shards."""
     from safetensors.numpy import save_file
 
     parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -184,11 +251,20 @@ def save_head(path: str, cfg: draft_head.DraftConfig, params: Any, metadata: dic
     try:
         leaves, _ = jax.tree_util.tree_flatten_with_path(params)
         flat = {path_to_str(p): np.asarray(jax.device_get(v)) for p, v in leaves}
-        save_file(flat, os.path.join(tmp, WEIGHTS_FILE), metadata=metadata or {})
+        metadata = metadata or {}
         record = config_to_json(cfg)
         if target is not None:
             record |= {"target_fingerprint": target.fingerprint, "target_name": target.name}
-        record["weights_sha256"] = file_sha256(os.path.join(tmp, WEIGHTS_FILE))
+        shards = plan_shards(flat, metadata, max_shard_bytes)
+        if len(shards) == 1:  # the layout of every head exported before shards existed
+            save_file(flat, os.path.join(tmp, WEIGHTS_FILE), metadata=metadata)
+            record["weights_sha256"] = file_sha256(os.path.join(tmp, WEIGHTS_FILE))
+        else:
+            record[SHARDS_KEY] = []
+            for index, keys in enumerate(shards, 1):
+                name = shard_file_name(index, len(shards))
+                save_file({key: flat[key] for key in keys}, os.path.join(tmp, name), metadata=metadata)
+                record[SHARDS_KEY].append({"file": name, "sha256": file_sha256(os.path.join(tmp, name))})
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(record, f, indent=2)
         if os.path.exists(path):

@@ -93,25 +93,26 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, Any]]:
+def iter_safetensors(files: list[str], fix: str = REDOWNLOAD) -> Iterator[tuple[str, Any]]:
+    """(key, loader) of every tensor in `files`; a damaged file is a DamagedFileError naming it and `fix`."""
     from safetensors import SafetensorError, safe_open
 
     def load(f, file, key):
         try:
             value = f.get_tensor(key)
         except SafetensorError as e:
-            raise DamagedFileError(file, f"cannot read tensor {key} ({e})", REDOWNLOAD) from None
+            raise DamagedFileError(file, f"cannot read tensor {key} ({e})", fix) from None
         bad = value.size - np.count_nonzero(np.isfinite(value))
         if bad:  # safetensors has no checksum; a flipped exponent bit often shows as inf or NaN
             raise DamagedFileError(file, f"corrupt tensor {key}: {bad:,} of its {value.size:,} values are "
-                                   "NaN or infinite", REDOWNLOAD)
+                                   "NaN or infinite", fix)
         return value
 
     for file in files:
         try:  # safetensors checks the header and that the tensors cover the file exactly
             opened = safe_open(file, framework="numpy")
         except SafetensorError as e:
-            raise DamagedFileError(file, f"not a readable safetensors file ({e})", REDOWNLOAD) from None
+            raise DamagedFileError(file, f"not a readable safetensors file ({e})", fix) from None
         with opened as f:
             for key in f.keys():
                 yield key, (lambda f=f, file=file, key=key: load(f, file, key))
