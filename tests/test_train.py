@@ -328,6 +328,68 @@ def test_a_checkpoint_from_another_corpus_is_refused(tiny_target, corpus, tmp_pa
         train(tiny_config(tmp_path, "run.max_steps=4"), tiny_target, other, mesh=one_device())
 
 
+def test_a_run_warm_started_from_an_exported_head_begins_at_its_weights(tiny_target, corpus, tmp_path, monkeypatch):
+    from jetspec_jax.loading.head_checkpoint import CONFIG_FILE, load_head
+
+    head_dir = tmp_path / "head"
+    train(tiny_config(tmp_path / "a", f"run.export_head={head_dir}", "run.max_steps=4"), tiny_target, corpus,
+          mesh=one_device())
+    _, exported = load_head(str(head_dir), jnp.float32)  # the run's fp32 weights rounded to bf16
+    states = []  # the state each step starts from
+    train_step = Trainer.train_step
+
+    def recording_step(self, state, batch):
+        states.append(jax.device_get(state))
+        return train_step(self, state, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    cfg = tiny_config(tmp_path / "b", f"head.init_from={head_dir}", "run.max_steps=2")
+    assert cfg.fingerprint() != tiny_config(tmp_path / "b", "run.max_steps=2").fingerprint()
+    summary = train(cfg, tiny_target, corpus, mesh=one_device())
+    state = states[0]
+    assert jax.tree.structure(state["params"]) == jax.tree.structure(exported)
+    for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(exported)):
+        assert got.dtype == np.float32  # fp32 master weights
+        np.testing.assert_array_equal(got, np.asarray(want))
+    assert int(state["step"]) == 0 and all(not np.any(x) for x in jax.tree.leaves(state["opt_state"]))  # fresh
+    random_init = Trainer(cfg, tiny_target, one_device()).init_state(cfg.run.seed)["params"]
+    assert not np.array_equal(np.asarray(random_init["fc"]), state["params"]["fc"])
+    sha = json.loads((head_dir / CONFIG_FILE).read_text())["weights_sha256"]
+    recorded = {"path": str(head_dir), "weights_sha256": sha}
+    rows = [json.loads(line) for line in (tmp_path / "b" / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 0, "warm_start": recorded} and summary["warm_start"] == recorded
+    # a resumed run starts from its checkpoint, not from the head, and still says where it began
+    resumed = train(tiny_config(tmp_path / "b", f"head.init_from={head_dir}", "run.max_steps=3"), tiny_target,
+                    corpus, mesh=one_device())
+    assert resumed["steps"] == 3 and resumed["warm_start"] == recorded and int(states[-1]["step"]) == 2
+    assert len(states) == 3 and not np.array_equal(states[-1]["params"]["fc"], state["params"]["fc"])
+
+
+def test_a_warm_start_head_of_another_shape_or_target_is_refused(tiny_target, corpus, tmp_path):
+    import shutil
+
+    from jetspec_jax.loading.head_checkpoint import CONFIG_FILE, save_head
+
+    head_dir = tmp_path / "head"
+    trainer = Trainer(tiny_config(tmp_path), tiny_target, one_device())
+    save_head(str(head_dir), trainer.head_cfg, trainer.init_state(0)["params"], target=tiny_target)
+    with pytest.raises(ValueError, match=f"head.init_from='{head_dir}': the exported head does not fit this run: "
+                                         "num_layers is 1 there, 2 here \\(head.num_layers\\); point head.init_from "
+                                         "at a head exported"):
+        train(tiny_config(tmp_path, f"head.init_from={head_dir}", "head.num_layers=2"), tiny_target, corpus,
+              mesh=one_device())
+    other = tmp_path / "other-target"
+    shutil.copytree(head_dir, other)
+    record = json.loads((other / CONFIG_FILE).read_text())
+    (other / CONFIG_FILE).write_text(json.dumps({**record, "target_fingerprint": "0123456789abcdef",
+                                                 "target_name": "other-model"}))
+    with pytest.raises(ValueError, match="was trained for target 'other-model' \\(fingerprint 0123456789abcdef\\)"):
+        train(tiny_config(tmp_path, f"head.init_from={other}"), tiny_target, corpus, mesh=one_device())
+    with pytest.raises(ValueError, match="head.init_from=.*no draft head at .*start from random weights"):
+        train(tiny_config(tmp_path, f"head.init_from={tmp_path / 'nothing'}"), tiny_target, corpus, mesh=one_device())
+    assert not (tmp_path / "tiny-cpu" / "metrics.jsonl").exists()  # refused before any step
+
+
 def test_sharded_step_equals_single_device_step(tiny_target, corpus, tmp_path):
     assert len(jax.devices()) == 8
     cfg = tiny_config(tmp_path, "head.intermediate_size=512", "data.length_buckets=[64]", "optim.tokens_per_batch=512")

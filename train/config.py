@@ -62,6 +62,10 @@ class HeadConfig:
     num_taps: int = 5
     attention: str = "causal"  # causal (JetSpec) | bidirectional (DFlash/DDTree)
     intermediate_size: int = 0  # 0: the target's
+    # warm start: an exported head directory (run.export_head of an earlier run) of this shape, for this
+    # target, whose weights the run starts from (a fresh optimizer); "" = random init. A resumed run
+    # continues from its checkpoint instead.
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +102,7 @@ class RunConfig:
     eval_answers_per_kind: int = 64  # held-out answers measured per kind of prompt (0: no held-out eval)
     log_every: int = 10
     mesh_model: int = 1  # devices along the parameter-sharding axis; the rest is data parallel
-    export_head: str = ""  # where to write the final head (draft_config.json + head.safetensors)
+    export_head: str = ""  # where to write the final head (draft_config.json + head.safetensors, or shards)
     max_minutes: float = 0.0  # > 0: stop cleanly (checkpoint + export) after this much training time
     max_steps: int = 0  # > 0: stop cleanly at this step, the schedule still planned over total_steps
 
@@ -112,9 +116,12 @@ class TrainConfig:
     run: RunConfig = RunConfig()
 
     def fingerprint(self) -> str:
-        """Hash of the training settings that shape the model and the data order (not paths, nor how the
-        corpus was produced: checkpoints record the corpus itself, `corpus_fingerprint` in trainer.py)."""
+        """Hash of the training settings that shape the model, its starting weights and the data order (not
+        the data's paths, nor how the corpus was produced: checkpoints record the corpus itself,
+        `corpus_fingerprint` in trainer.py)."""
         shape = {k: v for k, v in dataclasses.asdict(self).items() if k != "run"}
+        if not self.head.init_from:  # runs from random weights keep the fingerprint they had before it existed
+            del shape["head"]["init_from"]
         shape["data"] = {k: v for k, v in shape["data"].items()
                          if k not in ("data_dir", "regen_dir") and not k.startswith("regen_")}
         shape["seed"] = self.run.seed

@@ -6,6 +6,7 @@ step, data iterator), held-out loss and acceptance per kind of prompt."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -23,7 +24,8 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jetspec_jax import sharding
-from jetspec_jax.loading.head_checkpoint import save_head
+from jetspec_jax.errors import InputError
+from jetspec_jax.loading.head_checkpoint import load_head_weights, save_head, verify_head_files
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.params import init_params
 from jetspec_jax.provenance import write_json_atomic
@@ -114,6 +116,12 @@ def eval_stats(params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, 
                          temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
 
 
+# The [head] setting behind each DraftConfig field the config decides (the others follow the target).
+SETTING_OF_HEAD_FIELD = {"num_layers": "head.num_layers", "block_size": "head.block_size",
+                         "tap_layers": "head.num_taps", "attention": "head.attention",
+                         "intermediate_size": "head.intermediate_size"}
+
+
 def trim_none(spec) -> tuple:
     spec = tuple(spec)
     while spec and spec[-1] is None:
@@ -145,15 +153,41 @@ class Trainer:
         self.static = dict(loss_cfg=self.cfg.loss, head_cfg=self.head_cfg, target_cfg=self.target.cfg,
                            dtype=self.dtype)
 
-    def init_state(self, seed: int) -> dict[str, Any]:
-        """Fresh head parameters and optimizer state, placed by their shardings (built op by op: a head is
-        small, and a jitted init would compile again for every trainer)."""
-        params = jax.device_put(init_params(draft_head.param_specs(self.head_cfg), jax.random.key(seed), jnp.float32),
-                                self.param_shardings)
+    def init_state(self, seed: int, params=None) -> dict[str, Any]:
+        """Head parameters (random from `seed`, or `params`, e.g. warm_start_params') and a fresh optimizer
+        state, placed by their shardings (built op by op: a head is small, and a jitted init would compile
+        again for every trainer)."""
+        if params is None:
+            params = init_params(draft_head.param_specs(self.head_cfg), jax.random.key(seed), jnp.float32)
+        params = jax.device_put(params, self.param_shardings)
         state = {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
         # every leaf on the mesh, as train_step returns them (a scalar left on one device would compile twice)
         return jax.device_put(state, jax.tree.map(lambda x: x.sharding if isinstance(
             x.sharding, jax.sharding.NamedSharding) else sharding.replicated(self.mesh), state))
+
+    def warm_start_params(self) -> tuple[Any, dict[str, str]]:
+        """fp32 master weights from the exported head at head.init_from, and what they are (path, sha256).
+        Refused unless that head has this config's shape and was trained for this target."""
+        path = self.cfg.head.init_from
+        fix = ("point head.init_from at a head exported (run.export_head) for this target with this [head] "
+               "shape, or set head.init_from=\"\" to start from random weights")
+        try:
+            record = verify_head_files(path)
+        except FileNotFoundError as e:
+            raise InputError(f"head.init_from={path!r}: {e}; {fix}") from None
+        problems = []
+        if record.target_fingerprint is not None and record.target_fingerprint != self.target.fingerprint:
+            problems.append(f"it was trained for target {record.target_name!r} (fingerprint "
+                            f"{record.target_fingerprint}), not {self.target.name!r} ({self.target.fingerprint})")
+        problems += [f"{f.name} is {getattr(record.cfg, f.name)!r} there, {getattr(self.head_cfg, f.name)!r} here"
+                     + (f" ({SETTING_OF_HEAD_FIELD[f.name]})" if f.name in SETTING_OF_HEAD_FIELD else "")
+                     for f in dataclasses.fields(draft_head.DraftConfig)
+                     if getattr(record.cfg, f.name) != getattr(self.head_cfg, f.name)]
+        if problems:
+            raise InputError(f"head.init_from={path!r}: the exported head does not fit this run: "
+                             f"{'; '.join(problems)}; {fix}")
+        params = load_head_weights(record, jnp.float32)
+        return params, {"path": os.path.abspath(path), "weights_sha256": record.weights_digest()}
 
     def place_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Splits the batch's model inputs over the data axis (each process gives its local rows)."""
@@ -248,6 +282,14 @@ def append_jsonl(path: str, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def recorded_warm_start(path: str) -> dict[str, str] | None:
+    """The exported head a run started from, as its metrics' step-0 row records it (None: random init)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return next((row["warm_start"] for row in map(json.loads, f) if "warm_start" in row), None)
+
+
 def truncate_metrics(path: str, last_step: int) -> None:
     """On resume, forget metrics logged after the restored checkpoint (they will be recomputed)."""
     if not os.path.exists(path):
@@ -310,16 +352,23 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     trainer = Trainer(cfg, target, mesh)
     ckpt = Checkpoints(os.path.join(run_dir, "checkpoints"), cfg, target.cfg, corpus_fingerprint(corpus))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    state = trainer.init_state(cfg.run.seed)
     data_state = None
     start = ckpt.latest_step()
     if start is not None:
+        state = trainer.init_state(cfg.run.seed)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         state, data_state = ckpt.restore(start, abstract)
         truncate_metrics(metrics_path, start)
+        warm_start = recorded_warm_start(metrics_path)
     else:
         start = 0
+        params, warm_start = trainer.warm_start_params() if cfg.head.init_from else (None, None)
+        state = trainer.init_state(cfg.run.seed, params)
         write_json_atomic(os.path.join(run_dir, "config.json"), cfg.to_dict())
+        with contextlib.suppress(FileNotFoundError):  # no checkpoint: an earlier attempt's rows are stale
+            os.remove(metrics_path)
+        if warm_start:
+            append_jsonl(metrics_path, {"step": 0, "warm_start": warm_start})
     write_json_atomic(os.path.join(run_dir, "data_plan.json"), {
         "corpus": corpus_fingerprint(corpus), "corpus_dir": os.path.abspath(corpus.out_dir),
         "buckets": [b._asdict() for b in buckets], **stream.plan,
@@ -385,6 +434,8 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
                "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
                "devices": [d.device_kind for d in mesh.devices.flat],
                "train_seconds_this_run": time.perf_counter() - t_start, **last_eval}
+    if warm_start:
+        summary["warm_start"] = warm_start
     if cfg.run.export_head:
         params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), state["params"])
         save_head(cfg.run.export_head, trainer.head_cfg, params,
