@@ -16,7 +16,7 @@ from jetspec_jax import sharding
 from jetspec_jax.models import draft_head
 from jetspec_jax.train.config import check_data_parallel, load_config
 from jetspec_jax.train.corpus import Answers, Corpus, CorpusWriter
-from jetspec_jax.train.data import batch_iterator, fit_to_row, heldout_batches, training_stream
+from jetspec_jax.train.data import MODEL_INPUTS, batch_iterator, fit_to_row, heldout_batches, training_stream
 from jetspec_jax.train.loss import acceptance_stats, depth_weights, draft_loss, per_row_stats, pooled_stats
 from jetspec_jax.train.mixture import is_heldout
 from jetspec_jax.train.trainer import Trainer, forward_and_loss, train
@@ -355,7 +355,7 @@ def test_a_run_warm_started_from_an_exported_head_begins_at_its_weights(tiny_tar
     random_init = Trainer(cfg, tiny_target, one_device()).init_state(cfg.run.seed)["params"]
     assert not np.array_equal(np.asarray(random_init["fc"]), state["params"]["fc"])
     sha = json.loads((head_dir / CONFIG_FILE).read_text())["weights_sha256"]
-    recorded = {"path": str(head_dir), "weights_sha256": sha}
+    recorded = {"path": str(head_dir), "weights_sha256": sha, "layers": 1}
     rows = [json.loads(line) for line in (tmp_path / "b" / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0] == {"step": 0, "warm_start": recorded} and summary["warm_start"] == recorded
     # a resumed run starts from its checkpoint, not from the head, and still says where it began
@@ -371,13 +371,14 @@ def test_a_warm_start_head_of_another_shape_or_target_is_refused(tiny_target, co
     from jetspec_jax.loading.head_checkpoint import CONFIG_FILE, save_head
 
     head_dir = tmp_path / "head"
-    trainer = Trainer(tiny_config(tmp_path), tiny_target, one_device())
+    trainer = Trainer(tiny_config(tmp_path, "head.num_layers=2"), tiny_target, one_device())
     save_head(str(head_dir), trainer.head_cfg, trainer.init_state(0)["params"], target=tiny_target)
     with pytest.raises(ValueError, match=f"head.init_from='{head_dir}': the exported head does not fit this run: "
-                                         "num_layers is 1 there, 2 here \\(head.num_layers\\); point head.init_from "
+                                         "num_layers is 2 there, 1 here \\(head.num_layers\\); point head.init_from "
                                          "at a head exported"):
-        train(tiny_config(tmp_path, f"head.init_from={head_dir}", "head.num_layers=2"), tiny_target, corpus,
-              mesh=one_device())
+        train(tiny_config(tmp_path, f"head.init_from={head_dir}"), tiny_target, corpus, mesh=one_device())
+    trainer = Trainer(tiny_config(tmp_path), tiny_target, one_device())
+    save_head(str(head_dir), trainer.head_cfg, trainer.init_state(0)["params"], target=tiny_target)
     other = tmp_path / "other-target"
     shutil.copytree(head_dir, other)
     record = json.loads((other / CONFIG_FILE).read_text())
@@ -388,6 +389,31 @@ def test_a_warm_start_head_of_another_shape_or_target_is_refused(tiny_target, co
     with pytest.raises(ValueError, match="head.init_from=.*no draft head at .*start from random weights"):
         train(tiny_config(tmp_path, f"head.init_from={tmp_path / 'nothing'}"), tiny_target, corpus, mesh=one_device())
     assert not (tmp_path / "tiny-cpu" / "metrics.jsonl").exists()  # refused before any step
+
+
+def test_a_head_grown_from_a_shallower_one_computes_what_it_did(tiny_target, corpus, tmp_path):
+    """head.init_from with fewer layers: the exported layers first, new ones with zero output projections,
+    so the grown head's logits at step 0 are the shallower head's."""
+    from jetspec_jax.loading.head_checkpoint import load_head, save_head
+
+    small = Trainer(tiny_config(tmp_path), tiny_target, one_device())
+    head_dir = tmp_path / "head"
+    save_head(str(head_dir), small.head_cfg, small.init_state(5)["params"], target=tiny_target)
+    _, exported = load_head(str(head_dir), jnp.float32)
+    big = Trainer(tiny_config(tmp_path, f"head.init_from={head_dir}", "head.num_layers=3"), tiny_target, one_device())
+    grown, recorded = big.warm_start_params()
+    assert len(grown["layers"]) == 3 and recorded["layers"] == 1
+    for got, want in zip(jax.tree.leaves(grown["layers"][0]), jax.tree.leaves(exported["layers"][0])):
+        np.testing.assert_array_equal(got, want)
+    assert all(not np.any(layer[name]) for layer in grown["layers"][1:] for name in ("wo", "w_down"))
+    assert all(np.any(layer["wq"]) for layer in grown["layers"][1:])  # the rest starts random, to learn
+    batch = training_stream(corpus.answers("train"), small.cfg.buckets(), mixture={}, seed=0).dataset[0]
+    batch = {k: jnp.asarray(batch[k]) for k in MODEL_INPUTS}
+    target_params = tiny_target.params
+    logits = [forward_and_loss(p, target_params, batch, loss_cfg=t.cfg.loss, head_cfg=t.head_cfg,
+                               target_cfg=tiny_target.cfg, dtype=jnp.float32)[1][0]
+              for p, t in ((exported, small), (grown, big))]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_sharded_step_equals_single_device_step(tiny_target, corpus, tmp_path):

@@ -122,6 +122,16 @@ SETTING_OF_HEAD_FIELD = {"num_layers": "head.num_layers", "block_size": "head.bl
                          "intermediate_size": "head.intermediate_size"}
 
 
+def grow_layers(params, head_cfg: draft_head.DraftConfig, seed: int):
+    """A shallower head's parameters deepened to head_cfg.num_layers: its layers first, then new ones whose
+    attention and MLP outputs (wo, w_down) start at zero, so the grown head computes what the shallower
+    one did and training opens the new layers from there."""
+    fresh = init_params(draft_head.param_specs(head_cfg), jax.random.key(seed), jnp.float32)["layers"]
+    added = [{**layer, "wo": jnp.zeros_like(layer["wo"]), "w_down": jnp.zeros_like(layer["w_down"])}
+             for layer in fresh[len(params["layers"]):]]
+    return {**params, "layers": list(params["layers"]) + added}
+
+
 def trim_none(spec) -> tuple:
     spec = tuple(spec)
     while spec and spec[-1] is None:
@@ -166,8 +176,9 @@ class Trainer:
             x.sharding, jax.sharding.NamedSharding) else sharding.replicated(self.mesh), state))
 
     def warm_start_params(self) -> tuple[Any, dict[str, str]]:
-        """fp32 master weights from the exported head at head.init_from, and what they are (path, sha256).
-        Refused unless that head has this config's shape and was trained for this target."""
+        """fp32 master weights from the exported head at head.init_from, and what they are (path, sha256,
+        layers). Refused unless that head has this config's shape, but for fewer layers (grown by
+        grow_layers), and was trained for this target."""
         path = self.cfg.head.init_from
         fix = ("point head.init_from at a head exported (run.export_head) for this target with this [head] "
                "shape, or set head.init_from=\"\" to start from random weights")
@@ -179,15 +190,20 @@ class Trainer:
         if record.target_fingerprint is not None and record.target_fingerprint != self.target.fingerprint:
             problems.append(f"it was trained for target {record.target_name!r} (fingerprint "
                             f"{record.target_fingerprint}), not {self.target.name!r} ({self.target.fingerprint})")
+        grows = record.cfg.num_layers < self.head_cfg.num_layers
         problems += [f"{f.name} is {getattr(record.cfg, f.name)!r} there, {getattr(self.head_cfg, f.name)!r} here"
                      + (f" ({SETTING_OF_HEAD_FIELD[f.name]})" if f.name in SETTING_OF_HEAD_FIELD else "")
                      for f in dataclasses.fields(draft_head.DraftConfig)
-                     if getattr(record.cfg, f.name) != getattr(self.head_cfg, f.name)]
+                     if getattr(record.cfg, f.name) != getattr(self.head_cfg, f.name)
+                     and not (f.name == "num_layers" and grows)]
         if problems:
             raise InputError(f"head.init_from={path!r}: the exported head does not fit this run: "
                              f"{'; '.join(problems)}; {fix}")
         params = load_head_weights(record, jnp.float32)
-        return params, {"path": os.path.abspath(path), "weights_sha256": record.weights_digest()}
+        if grows:
+            params = grow_layers(params, self.head_cfg, self.cfg.run.seed)
+        return params, {"path": os.path.abspath(path), "weights_sha256": record.weights_digest(),
+                        "layers": record.cfg.num_layers}
 
     def place_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Splits the batch's model inputs over the data axis (each process gives its local rows)."""
