@@ -6,8 +6,13 @@ tokens/s at each concurrency, for AR, fixed budgets and the adaptive budget, in 
 
 Each variant is a server on 127.0.0.1 (the real app and engine, in this process, over HTTP) with the
 same slots; each concurrency level keeps that many streamed chat requests in flight (closed loop) over
-MATH-500 and MT-Bench prompts taken in turn, at T=0. A short round at the same concurrency first
-compiles the programs that level uses; then --requests-per-level x concurrency requests are timed.
+MATH-500 and MT-Bench prompts taken in turn, at T=0, and times --requests-per-level x concurrency of them.
+Before its first level each variant's engine runs the server's full warm-up (`--warmup full`: every prompt
+bucket, batch size and budget compiled; its seconds are in the JSON's `warm_up`) and answers one short
+untimed request (the HTTP path's first use). Each row records the compilations jax did inside its timed
+window (`compilations`, `compile_s`): both must be 0, else the row's numbers include compile time and
+its `warning` says so. The compilation cache (--cache-dir, on by default) keeps the programs for the next
+run, and a variant reuses the programs an earlier one compiled (auto's chunks are the fixed budgets').
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from common import (environment, math_and_chat_prompts, print_table, target_and_
                     write_json_atomic)
 
 from jetspec_jax import cache  # noqa: E402
+from jetspec_jax.serve.warmup import CompileWatch  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 
@@ -38,7 +44,7 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn in a thread around a fresh engine."""
+    """uvicorn in a thread around a fresh engine, which compiles every program (the full warm-up) first."""
 
     def __init__(self, target, head, variant: str, args):
         import uvicorn
@@ -50,7 +56,9 @@ class LiveServer:
         budget = "auto" if variant == "auto" else (int(variant) if variant != "ar" else 16)
         self.engine = Engine(target, None if method == "ar" else head, method=method, slots=args.slots,
                              max_len=args.max_len, budget=budget, width=args.width, chunk_steps=args.chunk_steps,
-                             max_queue=4 * args.slots, cost_table=args.cost_table).start()
+                             max_queue=4 * args.slots, cost_table=args.cost_table).start(warm_up=True)
+        print(f"{variant}: warm-up compiles {self.engine.warm_up.describe()}", flush=True)
+        self.engine.warm_up.wait(progress_bar=True)
         self.port = free_port()
         app = create_app(self.engine, target.tokenizer, "target")
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -73,7 +81,8 @@ async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first, tokens = None, 0
     async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:  # the server's OpenAI error object says why
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -105,12 +114,14 @@ async def closed_loop(url: str, prompts, concurrency: int, requests: int, max_to
         return results, time.perf_counter() - t0
 
 
-def summarise(variant, concurrency, results, wall, metrics) -> dict:
+def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch) -> dict:
     tokens = sum(r["tokens"] for r in results)
     return dict(variant=variant, concurrency=concurrency, requests=len(results), completion_tokens=tokens,
                 throughput=tokens / wall, ttft_median_s=statistics.median(r["ttft"] for r in results),
                 request_tokens_per_second=statistics.median(r["tokens_per_second"] for r in results),
-                tau=metrics.get("tau"), last_budget=metrics.get("budget"))
+                tau=metrics.get("tau"), last_budget=metrics.get("budget"), compilations=compiles.programs,
+                compile_s=compiles.seconds, compiled_programs=compiles.names,
+                warning="COMPILED IN TIMED WINDOW" if compiles.programs or compiles.seconds else None)
 
 
 def main(argv=None) -> int:
@@ -136,16 +147,23 @@ def main(argv=None) -> int:
     target, head = target_and_head(args.model, args.head, args.method)
     prompts = math_and_chat_prompts(args.data_dir)
 
-    rows = []
+    rows, warm_up = [], {}
     for variant in args.variants:
         server = LiveServer(target, head, variant, args)
+        warm = server.engine.warm_up
+        print(f"{variant}: warm-up took {warm.seconds:.1f} s", flush=True)
         try:
+            with CompileWatch() as first:  # the HTTP path's own first use (chat template, connections), untimed
+                asyncio.run(closed_loop(server.url, prompts, 1, 1, 2))
+            warm_up[variant] = dict(seconds=warm.seconds, programs=warm.total, compilations=warm.compiled_programs,
+                                    compiled_by_runs=warm.compiled_by_runs,
+                                    first_request_compilations=first.programs)
             for c in args.concurrency:
-                asyncio.run(closed_loop(server.url, prompts, c, c, 16))  # compiles this level's programs
-                results, wall = asyncio.run(closed_loop(server.url, prompts, c, c * args.requests_per_level,
-                                                        args.max_tokens))
-                rows.append(summarise(variant, c, results, wall, server.engine.metrics()))
-                print_table(rows[-1:], list(rows[-1]))
+                with CompileWatch() as compiles:
+                    results, wall = asyncio.run(closed_loop(server.url, prompts, c, c * args.requests_per_level,
+                                                            args.max_tokens))
+                rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles))
+                print_table(rows[-1:], [k for k in rows[-1] if k != "compiled_programs"])
         finally:
             server.close()
     ar = {r["concurrency"]: r["throughput"] for r in rows if r["variant"] == "ar"}
@@ -153,12 +171,18 @@ def main(argv=None) -> int:
         if r["concurrency"] in ar:
             r["throughput_over_ar"] = r["throughput"] / ar[r["concurrency"]]
     columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
-               "request_tokens_per_second", "tau", "last_budget"]
+               "request_tokens_per_second", "tau", "last_budget", "compile_s", "warning"]
     print_table(rows, columns)
+    print_table([dict(variant=v, **w) for v, w in warm_up.items()],
+                ["variant", "seconds", "programs", "compilations", "compiled_by_runs",
+                 "first_request_compilations"])
+    if any(r["warning"] for r in rows):
+        print("WARNING: rows flagged above compiled inside their timed window: their numbers include compile time",
+              file=sys.stderr)
     if args.out:
         write_json_atomic(args.out, dict(benchmark="serve_load", target=target.name, method=args.method,
-                                         slots=args.slots, max_tokens=args.max_tokens, environment=environment(),
-                                         rows=rows))
+                                         slots=args.slots, max_len=args.max_len, max_tokens=args.max_tokens,
+                                         environment=environment(), warm_up=warm_up, rows=rows))
     return 0
 
 

@@ -1,6 +1,6 @@
 """The serving engine on a tiny random target: requests admitted into slots as others finish give
-exactly offline generation's tokens at T=0, follow the target's distribution at T>0, and cancellation,
-the queue bound and shutdown behave."""
+exactly offline generation's tokens at T=0, follow the target's distribution at T>0, cancellation,
+the queue bound and shutdown behave, and after the full warm-up no request compiles anything."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.serve.budget import BudgetPolicy, CostTable
 from jetspec_jax.serve.engine import (Engine, EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
                                       SamplingParams, TokenEvent)
+from jetspec_jax.serve.warmup import CompileWatch
 from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_generate
 
 EOS = 7  # a token the random tiny model emits now and then, so some requests stop early
@@ -70,9 +71,10 @@ LIMITS = [12, 30, 7, 20, 25, 16]
 @pytest.mark.parametrize("method", ["jetspec", "ddtree", "ar"])
 def test_t0_requests_equal_offline_generation(target, heads, method):
     """Six requests on three slots (the later ones admitted as earlier ones finish), with sampled
-    requests sharing the batch: each greedy output is offline generation's, token for token."""
+    requests sharing the batch: each greedy output is offline generation's, token for token (jetspec
+    after the full warm-up, whose runs leave no trace in the slots)."""
     engine = Engine(target, heads[method], method=method, slots=3, max_len=256, budget=8, width=3, chunk_steps=4,
-                    stop_token_ids=(EOS,)).start()
+                    stop_token_ids=(EOS,)).start(warm_up=method == "jetspec")
     try:
         greedy = [engine.submit(EngineRequest(p, m, SamplingParams(), f"g{i}"))
                   for i, (p, m) in enumerate(zip(PROMPTS, LIMITS))]
@@ -109,6 +111,78 @@ def test_sampled_requests_follow_the_target_distribution(target, heads):
     v = target.cfg.vocab_size
     assert chi_square_pvalue(np.bincount(tokens[:, 0] * v + tokens[:, 1], minlength=v * v), joint12) > 1e-3
     assert chi_square_pvalue(np.bincount(tokens[:, 2], minlength=v), marginal3) > 1e-3
+
+
+def prompt_of(n: int) -> list[int]:
+    return [(5 * i) % 90 + 3 for i in range(n)]
+
+
+AUTO_TABLE = [(1, 4, 1.0, 2.0), (1, 8, 1.2, 2.5), (4, 4, 1.5, 2.0), (4, 8, 2.0, 2.5)]  # budgets 4 and 8
+
+
+def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path):
+    """Chunks run 1, 2, 4, ... rows up to the slots (at least min_batch), at each budget `auto` may pick;
+    admissions pad prompts to multiples of 64, up to the longest prompt a request may have."""
+    table = cost_table(tmp_path, AUTO_TABLE)
+
+    def programs(**kw):
+        engine = Engine(target, heads["jetspec"], **dict(method="jetspec", slots=32, max_len=512, width=3) | kw)
+        chunks = sorted({p[1:] for p in engine.programs() if p[0] == "chunk"})
+        widths = [p[1] for p in engine.programs() if p[0] == "admit"]
+        assert widths == list(range(64, engine.max_context - 1 + 63, 64))  # prompt + one new token fit
+        return chunks, engine.max_context
+
+    chunks, context = programs(budget="auto", cost_table=table)
+    assert chunks == [(b, r) for b in (4, 8) for r in (1, 2, 4, 8, 16, 32)] and 448 < context < 512
+    assert programs(budget=8, slots=12, min_batch=4)[0] == [(8, 4), (8, 8), (8, 12)]
+    assert programs(budget=16, min_batch=32)[0] == [(16, 32)]
+
+
+@pytest.mark.parametrize("method, slots", [("jetspec", 3), ("ar", 5)])
+def test_full_warm_up_leaves_nothing_to_compile(target, heads, tmp_path, method, slots):
+    """After the full warm-up, requests of every prompt bucket (the longest prompt accepted included), every
+    batch size a chunk runs (1, 2, 3 of 3 slots; 1, 2, 4, 5 of 5), each budget of `auto`'s table, greedy
+    and sampled, and a cancellation compile nothing: not one program, not one eager operation."""
+    engine = Engine(target, heads[method], method=method, slots=slots, max_len=192, budget="auto", width=3,
+                    chunk_steps=2, max_queue=32, cost_table=cost_table(tmp_path, AUTO_TABLE), stop_token_ids=())
+    budgets = (4, 8) if method == "jetspec" else (None,)
+    if engine.policy is not None:  # alternate the budgets, so that each runs at each batch size
+        choices = iter(budgets * 1000)
+        engine.policy.choose = lambda live, batch=None: next(choices)
+    engine.stats.history = []
+    engine.start(warm_up=True)
+    try:
+        engine.warm_up.wait(timeout_check(TIMEOUT))
+        assert engine.warm_up.done == engine.warm_up.total == len(engine.programs())
+        assert engine.warm_up.compiled_programs >= engine.warm_up.total  # CompileWatch sees jax's compilations
+        with CompileWatch() as watch:
+            last = engine.max_context - 1  # the longest prompt a request may have
+            widths = [p[1] for p in engine.programs() if p[0] == "admit"]
+            for n in sorted({1, last} | {n for w in widths for n in (w, w + 1) if n <= last}):
+                request = EngineRequest(prompt_of(n), min(6, engine.max_context - n))  # one at a time, in slot 0
+                assert collect(engine.submit(request))[1].reason == "length"
+            for k in range(1, slots + 1):  # k at once fill slots 0..k-1
+                handles = [engine.submit(EngineRequest(prompt_of(3 + i), 16, SamplingParams(
+                    temperature=0.8 * (i % 2), top_k=5 * (i % 3), seed=2**63 - 1 - i))) for i in range(k)]
+                assert [collect(h)[1].reason for h in handles] == ["length"] * k
+            long = engine.submit(EngineRequest(prompt_of(4), 60))
+            assert isinstance(long.get(timeout=TIMEOUT), TokenEvent)
+            long.cancel()
+            assert collect(long)[1].reason == "cancelled"
+    finally:
+        engine.shutdown()
+    assert watch.programs == 0 and watch.seconds == 0, watch.names
+    ran = {("chunk", c["budget"], c["active"]) for c in engine.stats.history}
+    assert ran == {p for p in engine.programs() if p[0] == "chunk"}
+    assert engine.metrics()["compile_seconds_total"] == 0 and engine.metrics()["warm_up_seconds"] > 0
+
+
+def timeout_check(seconds: float):
+    deadline = time.monotonic() + seconds
+
+    def check():
+        assert time.monotonic() < deadline, f"the warm-up took over {seconds} s"
+    return check
 
 
 def test_cancel_frees_the_slot_for_the_next_request(target, heads):

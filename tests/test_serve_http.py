@@ -428,13 +428,24 @@ def test_cli_bad_settings_are_one_error_line(capsys):
     assert err.startswith("error:") and err.count("\n") == 1 and "--slots" in err and "--port" in err
 
 
+def test_cli_warmup_modes_parse():
+    from jetspec_jax.serve.__main__ import build_parser
+
+    parse = build_parser().parse_args
+    assert parse([]).warmup == "first"  # the default: the programs of one short request
+    assert [parse(["--warmup", mode]).warmup for mode in ("full", "first", "none")] == ["full", "first", "none"]
+    assert parse(["--no-warmup"]).warmup == "none"
+    with pytest.raises(SystemExit):
+        parse(["--warmup", "all"])
+
+
 def test_cli_serves_and_exits_cleanly_on_sigterm(tiny):
-    """The real command line on the tiny model (no head ships for it: token by token): it answers,
-    and SIGTERM stops it with status 0."""
+    """The real command line on the tiny model (no head ships for it: token by token), after the full
+    warm-up: it answers, and SIGTERM stops it with status 0."""
     target, _ = tiny
     proc = subprocess.Popen([sys.executable, "-m", "jetspec_jax.serve", "--model", target.source, "--port", "0",
                              "--served-model-name", MODEL, "--slots", "2", "--max-len", "128", "--dtype", "float32",
-                             "--no-warmup", "--no-cache", "--shutdown-timeout", "5"],
+                             "--warmup", "full", "--no-cache", "--shutdown-timeout", "5"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
@@ -449,6 +460,8 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(tiny):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT)
         r = chat(client, "hi", max_tokens=1)  # the first token comes from admission alone
         assert r.usage.completion_tokens == 1
+        # 2 chunks (AR x 1 and 2 rows) and 2 prompt buckets (64 and 128 columns)
+        assert any("warm-up (compilation of 4 programs) took" in line for line in log), "".join(log)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -457,14 +470,15 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(tiny):
             proc.wait(10)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_cli_stops_on_one_signal_during_start_up(tiny, sig):
+@pytest.mark.parametrize("sig, warmup", [(signal.SIGINT, "first"), (signal.SIGTERM, "first"), (signal.SIGINT, "full")],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-full"])
+def test_cli_stops_on_one_signal_during_start_up(tiny, sig, warmup):
     """One signal while warm-up compiles stops the server within a bound, with status 0, before it listens.
     SIGINT is inherited as ignored, as a shell script's background job has it: such a SIGINT was lost
     before (the server came up and served until a second one)."""
     target, _ = tiny
     command = [sys.executable, "-m", "jetspec_jax.serve", "--model", target.source, "--port", "0", "--slots", "2",
-               "--max-len", "128", "--dtype", "float32", "--no-cache", "--shutdown-timeout", "5"]
+               "--max-len", "128", "--dtype", "float32", "--no-cache", "--shutdown-timeout", "5", "--warmup", warmup]
     proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()

@@ -23,6 +23,8 @@ from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.generate import load_for_cli
 from jetspec_jax.speculative import METHODS
 
+WARMUP_MODES = ("full", "first", "none")
+
 
 def budget_arg(value: str) -> int | str:
     if value == "auto":
@@ -62,7 +64,11 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--default-max-tokens", type=int, default=256, help="answer length when a request gives none")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on shutdown before they are cancelled")
-    p.add_argument("--no-warmup", action="store_true", help="listen before the first compilation")
+    p.add_argument("--warmup", choices=WARMUP_MODES, default="first",
+                   help="before listening, compile every program a request can need (full: each prompt bucket, "
+                        "and each batch size and budget a chunk can use; the slowest start), those of one short "
+                        "request (first) or none; a request that needs a program not yet compiled waits for it")
+    p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none", help="the same as --warmup none")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights/activations (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of an untrained head, when one is used")
@@ -166,8 +172,13 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
             engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len,
                             budget=args.budget, width=args.width, chunk_steps=args.chunk_steps,
                             max_queue=args.max_queue, cost_table=args.cost_table, min_batch=args.min_batch)
-            engine.start()
-            if not args.no_warmup:
+            engine.start(warm_up=args.warmup == "full")
+            if args.warmup == "full":
+                print(f"warm-up: compiling every program: {engine.warm_up.describe()}", file=sys.stderr)
+                seconds = engine.warm_up.wait(signals.check, progress_bar=True)
+                print(f"warm-up (compilation of {engine.warm_up.total} programs) took {seconds:.1f} s",
+                      file=sys.stderr)
+            elif args.warmup == "first":
                 print("warm-up: compiling the first programs", file=sys.stderr)
                 seconds = warm_up(engine, encode_prompts(target.tokenizer, ["Hello"])[0], signals.check)
                 print(f"warm-up (compilation) took {seconds:.1f} s", file=sys.stderr)

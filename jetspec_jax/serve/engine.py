@@ -22,6 +22,7 @@ import numpy as np
 from jetspec_jax.sampling import RowSampling, SamplingConfig
 from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.budget import BudgetPolicy, load_bucket
+from jetspec_jax.serve.warmup import WarmUp
 from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig
 
 log = logging.getLogger(__name__)
@@ -149,8 +150,9 @@ class Engine:
         self.pending: collections.deque[RequestHandle] = collections.deque()
         self.lock = threading.Condition()
         self.closing, self.drain, self.deadline = False, True, math.inf
-        self.compiled: set = set()  # programs run so far: (budget, active rows) chunks, ("admit", width) prefills
+        self.compiled: set = set()  # programs run so far (see programs())
         self.thread: threading.Thread | None = None
+        self.warm_up: WarmUp | None = None
         self.stats = EngineStats()
 
     def spec(self, budget: int) -> SpecConfig | None:
@@ -158,6 +160,67 @@ class Engine:
             return None
         return SpecConfig(self.method, budget, self.width, self.max_depth, self.attention,
                           tree_temperature=self.tree_temperature)
+
+    # -- programs ------------------------------------------------------------------------------
+
+    def prompt_width(self, prompt_len: int) -> int:
+        """Columns of the admission program a prompt of `prompt_len` tokens runs in."""
+        return min(-(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_len)
+
+    def chunk_rows(self, live_top: int) -> int:
+        """Slot rows a chunk runs while the highest live slot is number `live_top` - 1 (admission fills
+        the lowest free slot, so the live ones are at the front): a power of two, at least min_batch."""
+        return min(self.num_slots, max(self.min_batch, load_bucket(live_top)))
+
+    def programs(self) -> list[tuple]:
+        """Every program a run can need, chunks first (they compile longest): ("chunk", budget, rows) for
+        each budget the policy may pick (None for AR) and each batch size chunk_rows can give, and
+        ("admit", width) for each prompt bucket up to the longest prompt check_request accepts."""
+        budgets = self.policy.budgets if self.policy else (None,)
+        rows = sorted({self.chunk_rows(top) for top in range(1, self.num_slots + 1)})
+        widths = sorted({self.prompt_width(n) for n in range(1, self.max_context)})  # prompt + >= 1 new token
+        return [("chunk", b, r) for b in budgets for r in rows] + [("admit", w) for w in widths]
+
+    def _admit_call(self, index: int, ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int,
+                    width: int | None = None) -> tuple[tuple, dict]:
+        """device.admit's arguments for a prompt into slot `index` (padded to its bucket, or to `width`)."""
+        prompt = np.full((1, width or self.prompt_width(len(ids))), self.pad_token_id, np.int32)
+        prompt[0, : len(ids)] = ids
+        args = (self.target.params, self.head_params, self.slots, jnp.int32(index), prompt,
+                jnp.asarray([len(ids)], jnp.int32), jax.random.key(seed), RowSampling.of([sampling]),
+                jnp.int32(max_new_tokens))
+        return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids)
+
+    def _chunk_call(self, budget: int | None, rows: int) -> tuple[tuple, dict]:
+        """device.run_chunk's arguments for a chunk of `rows` slot rows at `budget` (None: AR)."""
+        return (self.target.params, self.head_params, self.slots), dict(
+            cfg=self.target.cfg, drafter=self.drafter, spec=None if budget is None else self.spec(budget),
+            steps=self.chunk_steps, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+            attention=self.attention, active=rows)
+
+    def _warm_up_call(self, program: tuple):
+        """(jitted function, args, kwargs) of a run of `program` that changes no request: a one-token
+        prompt admitted into slot 0 with max_tokens 1 (it ends at admission), or a chunk in which no slot
+        is live (its loop runs no step). Only while every slot is free."""
+        if program[0] == "admit":
+            return (device.admit, *self._admit_call(0, [self.pad_token_id], SamplingParams().config(), 1, 0,
+                                                    width=program[1]))
+        return (device.run_chunk, *self._chunk_call(*program[1:]))
+
+    def lower_program(self, program: tuple) -> jax.stages.Lowered:
+        """`program` lowered on the arguments the engine passes it: `.compile()` fills jax's caches for
+        the engine's own calls (warmup.py)."""
+        fn, args, kwargs = self._warm_up_call(program)
+        return fn.lower(*args, **kwargs)
+
+    def run_program(self, program: tuple) -> None:
+        """Runs `program` once with no request in it (the device thread, every slot free: warm-up)."""
+        fn, args, kwargs = self._warm_up_call(program)
+        self.slots = fn(*args, **kwargs)[0]
+        if program[0] == "admit":  # and the cancellation's update, once
+            self.slots = device.release(self.slots, 0)
+        jax.block_until_ready(self.slots)
+        self.compiled.add(program)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -189,8 +252,12 @@ class Engine:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> "Engine":
+    def start(self, warm_up: bool = False) -> "Engine":
+        """Starts the device thread. With `warm_up` it first compiles every program (warmup.py; follow it
+        with `engine.warm_up.wait()`); requests submitted meanwhile wait in the queue."""
         if self.thread is None:
+            if warm_up:
+                self.warm_up = WarmUp(self)
             self.thread = threading.Thread(target=self._loop, name="jetspec-engine", daemon=True)
             self.thread.start()
         return self
@@ -223,6 +290,8 @@ class Engine:
 
     def _loop(self) -> None:
         try:
+            if self.warm_up is not None:
+                self.warm_up.run(stop=lambda: self.closing)
             while self._wait_for_work():
                 self._drop_cancelled()
                 self._admit_pending()
@@ -284,18 +353,12 @@ class Engine:
     def _admit(self, index: int, handle: RequestHandle) -> None:
         request = handle.request
         ids = request.prompt_ids
-        width = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
-        prompt = np.full((1, min(width, self.max_len)), self.pad_token_id, np.int32)
-        prompt[0, : len(ids)] = ids
         seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
             np.random.bytes(4), "little")
-        program = ("admit", prompt.shape[1])
+        program = ("admit", self.prompt_width(len(ids)))
         t0 = time.perf_counter()
-        self.slots, first, finished = device.admit(
-            self.target.params, self.head_params, self.slots, jnp.int32(index), prompt,
-            jnp.asarray([len(ids)], jnp.int32), jax.random.key(seed), RowSampling.of([request.sampling.config()]),
-            jnp.int32(request.max_new_tokens), cfg=self.target.cfg, drafter=self.drafter,
-            eos_token_ids=self.eos_token_ids)
+        args, kwargs = self._admit_call(index, ids, request.sampling.config(), request.max_new_tokens, seed)
+        self.slots, first, finished = device.admit(*args, **kwargs)
         first, finished = int(first), bool(finished)
         self.stats.add_prefill(len(ids), time.perf_counter() - t0, compiled=program not in self.compiled)
         self.compiled.add(program)
@@ -310,20 +373,18 @@ class Engine:
     def _run_chunk(self) -> None:
         live_slots = [i for i, o in enumerate(self.owner) if o is not None]
         live = len(live_slots)
-        # admission fills the lowest slots, so the live ones are at the front
-        active = min(self.num_slots, max(self.min_batch, load_bucket(live_slots[-1] + 1)))
+        active = self.chunk_rows(live_slots[-1] + 1)
         budget = self.policy.choose(live, active) if self.policy else None
         t0 = time.perf_counter()
-        self.slots, out = device.run_chunk(self.target.params, self.head_params, self.slots, cfg=self.target.cfg,
-                                           drafter=self.drafter, spec=None if budget is None else self.spec(budget),
-                                           steps=self.chunk_steps, eos_token_ids=self.eos_token_ids,
-                                           pad_token_id=self.pad_token_id, attention=self.attention, active=active)
+        args, kwargs = self._chunk_call(budget, active)
+        self.slots, out = device.run_chunk(*args, **kwargs)
         tokens, counts, finished, steps, accepted = jax.device_get(
             (out.tokens, out.num_tokens, out.finished, out.steps, out.accepted))
         seconds = time.perf_counter() - t0
         steps, accepted, committed = int(steps), int(accepted), int(counts.sum())
-        compiled = (budget, active) not in self.compiled  # this chunk's time includes compilation
-        self.compiled.add((budget, active))
+        program = ("chunk", budget, active)
+        compiled = program not in self.compiled  # this chunk's time includes compilation
+        self.compiled.add(program)
         self.stats.add_chunk(budget, live, active, steps, committed, accepted, seconds, timed=not compiled)
         if self.policy is not None and steps and not compiled:
             self.policy.observe(budget, active, seconds / steps, (accepted + live * steps) / (live * steps))
@@ -348,12 +409,17 @@ class EngineStats:
         self.requests_total = self.requests_finished = 0
         self.tokens_total = self.prompt_tokens_total = 0
         self.compile_seconds = 0.0  # admissions and chunks that ran a program for the first time
+        self.warm_up_seconds = 0.0  # the full warm-up (warmup.py), which compiles every program first
         self.budget: int | None = None
         self.history: list[dict] | None = None  # a benchmark sets a list to keep every chunk
 
     def add_tokens(self, n: int) -> None:
         with self.lock:
             self.tokens_total += n
+
+    def add_warm_up(self, seconds: float) -> None:
+        with self.lock:
+            self.warm_up_seconds += seconds
 
     def add_prefill(self, prompt_tokens: int, seconds: float, compiled: bool = False) -> None:
         with self.lock:
@@ -388,4 +454,4 @@ class EngineStats:
                     "budget": self.budget, "requests_total": self.requests_total,
                     "requests_finished": self.requests_finished, "generated_tokens_total": self.tokens_total,
                     "prompt_tokens_total": self.prompt_tokens_total,
-                    "compile_seconds_total": self.compile_seconds}
+                    "compile_seconds_total": self.compile_seconds, "warm_up_seconds": self.warm_up_seconds}

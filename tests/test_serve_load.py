@@ -1,0 +1,51 @@
+"""benchmarks/serve_load.py end to end on the tiny model (a smoke run, not a measurement): every variant
+warms up fully first, and no timed window compiles anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_serve_http import char_tokenizer
+
+from conftest import make_tiny_checkpoint
+from jetspec_jax.generate import random_head
+from jetspec_jax.loading.head_checkpoint import save_head
+from jetspec_jax.target import load_target
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "serve_load.py")
+
+
+def write_jsonl(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.slow
+def test_serve_load_times_no_compilation(tmp_path):
+    model, head_dir, data = tmp_path / "model", tmp_path / "head", tmp_path / "data"
+    make_tiny_checkpoint("qwen3", str(model), seed=1)
+    char_tokenizer().save_pretrained(str(model))
+    target = load_target(str(model), dtype="float32")
+    save_head(str(head_dir), *random_head(target, "causal"), target=target)
+    data.mkdir()
+    write_jsonl(data / "math500_test.jsonl",
+                [dict(problem=f"What is {i}+{i}?", answer=str(2 * i), unique_id=str(i)) for i in range(2)])
+    write_jsonl(data / "mt_bench.jsonl", [dict(question_id=i, turns=[f"Say hi {i} times."]) for i in range(2)])
+    out = tmp_path / "serve_load.json"
+    command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
+               "--variants", "ar", "8", "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "8",
+               "--slots", "2", "--max-len", "192", "--width", "3", "--chunk-steps", "2", "--no-cache", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert [(r["variant"], r["concurrency"]) for r in result["rows"]] == [("ar", 1), ("ar", 2), ("8", 1), ("8", 2)]
+    for row in result["rows"]:
+        assert row["compilations"] == 0 and row["compile_s"] == 0 and row["warning"] is None, row
+        assert row["completion_tokens"] == 8 * row["requests"] and row["throughput"] > 0
+    # chunks of 1 and 2 rows and prompt buckets of 64, 128 and 192 columns, for each variant
+    assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 5, "8": 5}
+    assert all(w["seconds"] > 0 for w in result["warm_up"].values())
+    assert "COMPILED IN TIMED WINDOW" not in done.stdout
