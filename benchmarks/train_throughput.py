@@ -14,6 +14,12 @@ warm-up, timed with block_until_ready. Stream: `--steps` steps of the real itera
 host-to-device copies and all) after every shape has compiled. Real tokens are the teacher's non-pad
 tokens (prompt + answer), answer tokens the generated ones, padded tokens rows x bucket length (the
 unit of the shipped heads' recorded 266K tokens/s: 32 x 640 per step).
+
+`--pair` also times the config with both heads (head.attention=["causal", "bidirectional"]: one teacher
+pass, two students) on the same batches, and prints per bucket the pair's step against the one-head step
+and what it saves against two one-head runs (the bidirectional head's step costs what the causal one's
+does: the same computation under another block mask). Peak memory is the process's peak so far: the pair
+runs after the one-head layout, so its reading is the pair's own where it is the larger.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from jetspec_jax.train.data import batch_iterator, bucket_fill, training_stream 
 from jetspec_jax.train.mixture import is_heldout  # noqa: E402
 from jetspec_jax.train.trainer import Trainer, check_batch_size  # noqa: E402
 
+# Both heads in one run (train/config.py: head.attention as a list), one teacher pass for the two; random
+# weights, nothing exported.
+PAIR = ['head.attention=["causal", "bidirectional"]', "head.init_from=[]", "run.export_head=[]"]
 # The shipped heads' layout (train/configs/smollm2-135m-jetspec.toml): 32 rows of 640 tokens, 48 anchors each.
 FIXED_640 = ["data.length_buckets=[640]", "optim.tokens_per_batch=20480", "data.anchors_per_1k_tokens=75"]
 # source, kind, share of prompts, prompt tokens (log-uniform between), answer tokens (uniform between; the
@@ -163,11 +172,16 @@ def main():
     p.add_argument("--prompts", type=int, default=2000, help="synthetic corpus: prompts (each with its answers)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per bucket (and per bucket in the stream)")
     p.add_argument("--no-fixed-640", action="store_true", help="skip the shipped heads' fixed layout")
+    p.add_argument("--pair", action="store_true",
+                   help="also time both heads in one step (one teacher pass) beside the config's one head")
     p.add_argument("--out", default="benchmarks/results/train_throughput.json")
     p.add_argument("overrides", nargs="*", help="section.key=value for the config, e.g. head.num_layers=4")
     args = p.parse_args()
 
     cfg = load_config(args.config, args.overrides)
+    if args.pair and cfg.is_pair:
+        p.error(f"--pair times a one-head config beside its pair; {args.config} already trains "
+                f"{', '.join(cfg.single_heads())}")
     if args.target == "random":
         params = init_params(qwen3.param_specs(SMOLLM2_135M), jax.random.key(0), cfg.run.compute_dtype)
         target = Target(SMOLLM2_135M, params, None, "SmolLM2-135M-shaped, random weights")
@@ -187,8 +201,11 @@ def main():
         lengths = np.asarray(answers.lengths())
         corpus_info.update(answers=len(answers), mean_tokens=float(lengths.mean()),
                            p50_p90_p99_tokens=np.percentile(lengths, [50, 90, 99]).tolist())
-        layouts = [("buckets", cfg)] + ([] if args.no_fixed_640 else [("fixed-640", load_config(
-            args.config, [*args.overrides, *FIXED_640]))])
+        layouts = [("buckets", cfg)]
+        if args.pair:
+            layouts.append(("buckets-pair", load_config(args.config, [*args.overrides, *PAIR])))
+        if not args.no_fixed_640:
+            layouts.append(("fixed-640", load_config(args.config, [*args.overrides, *FIXED_640])))
         payload = dict(benchmark="train_throughput", config=args.config, overrides=args.overrides,
                        target=target.source, corpus=corpus_info,
                        layouts={name: dict(buckets=[b._asdict() for b in c.buckets()], head=dataclasses.asdict(c.head),
@@ -200,6 +217,16 @@ def main():
             write_json_atomic(args.out, payload)  # after every layout: a run cut short keeps what it measured
     print_table(payload["rows"], ["layout", "bucket", "rows", "anchors", "steps", "step_ms", "real_tok_s",
                                   "answer_tok_s", "padded_tok_s", "fill", "compile_s", "peak_gib"])
+    if args.pair:
+        one = {r["bucket"]: r for r in payload["rows"] if r["layout"] == "buckets"}
+        payload["pair_vs_one_head"] = [
+            dict(bucket=r["bucket"], one_head_ms=one[r["bucket"]]["step_ms"], pair_ms=r["step_ms"],
+                 pair_over_one=r["step_ms"] / one[r["bucket"]]["step_ms"],
+                 saved_vs_two_runs=1 - r["step_ms"] / (2 * one[r["bucket"]]["step_ms"]),
+                 one_head_peak_gib=one[r["bucket"]]["peak_gib"], pair_peak_gib=r["peak_gib"])
+            for r in payload["rows"] if r["layout"] == "buckets-pair" and r["bucket"] in one]
+        print_table(payload["pair_vs_one_head"], ["bucket", "one_head_ms", "pair_ms", "pair_over_one",
+                                                  "saved_vs_two_runs", "one_head_peak_gib", "pair_peak_gib"])
     stream = {r["layout"]: r for r in payload["rows"] if r["bucket"] == "stream"}
     if "buckets" in stream:
         print(f"buckets, whole stream: {stream['buckets']['real_tok_s'] / 1e3:.0f}K real tokens/s "

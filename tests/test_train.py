@@ -1,5 +1,6 @@
 """Training: loss values, the bucketed and weighted data stream over a regenerated corpus, frozen target,
-a tiny run that learns, exact kill-and-resume, per-kind held-out metrics, sharding, config errors."""
+a tiny run that learns, exact kill-and-resume, per-kind held-out metrics, sharding, config errors, and a
+pair of heads on one teacher that trains each exactly as it would train alone."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ OLD_SEQ_LEN = 192
 TEST_SETTINGS = ["data.length_buckets=[32, 128, 512]", "optim.tokens_per_batch=1024",
                  "data.anchors_per_1k_tokens=50", "optim.total_steps=16", "optim.learning_rate=3e-3",
                  "optim.warmup_steps=2", "head.num_taps=2", "run.eval_every=4", "run.checkpoint_every=2"]
+# A pair of heads (one of each kind) in one run; one bucket, so the pair's tests compile few steps.
+PAIR = ['head.attention=["causal", "bidirectional"]', "data.length_buckets=[128]"]
 
 
 def write_corpus(out_dir, vocab_size: int, seed: int = 0) -> Corpus:
@@ -298,27 +301,33 @@ def test_a_short_run_learns_and_writes_rates_and_heldout_numbers_per_kind(tiny_t
     assert (head_dir / "head.safetensors").is_file() and summary["steps"] == 16
 
 
-def test_kill_and_resume_reproduces_the_uninterrupted_run(tiny_target, corpus, tmp_path):
+@pytest.mark.parametrize("heads", [[], PAIR], ids=["one-head", "pair"])
+def test_kill_and_resume_reproduces_the_uninterrupted_run(tiny_target, corpus, tmp_path, heads):
     straight, resumed, after = {}, {}, {}
-    train(tiny_config(tmp_path / "a", "run.max_steps=7"), tiny_target, corpus, mesh=one_device(),
+    train(tiny_config(tmp_path / "a", *heads, "run.max_steps=7"), tiny_target, corpus, mesh=one_device(),
           on_step=lambda s, r: straight.__setitem__(s, r))
-    cfg_b = tiny_config(tmp_path / "b", "run.max_steps=7")
+    cfg_b = tiny_config(tmp_path / "b", *heads, "run.max_steps=7")
     # "killed" after step 5: the last checkpoint is step 4, so step 5 is lost and recomputed
     out = train(cfg_b, tiny_target, corpus, mesh=one_device(), stop_after=5,
                 on_step=lambda s, r: resumed.__setitem__(s, r))
     assert out == {"stopped_at": 5}
     summary = train(cfg_b, tiny_target, corpus, mesh=one_device(), on_step=lambda s, r: after.__setitem__(s, r))
     assert sorted(after) == [5, 6, 7] and summary["steps"] == 7
-    keys = ("loss", "tokens_seen", "answer_tokens_seen")
+    loss = "loss_by_head" if heads else "loss"  # a pair's losses: {"jetspec": ..., "ddtree": ...}
+    keys = (loss, "tokens_seen", "answer_tokens_seen")
     assert [[after[s][k] for k in keys] for s in (5, 6, 7)] == [[straight[s][k] for k in keys] for s in (5, 6, 7)]
-    assert resumed[5]["loss"] == straight[5]["loss"]
+    assert resumed[5][loss] == straight[5][loss]
     # the rest of the schedule continues from a stop at max_steps
     rest = {}
-    train(tiny_config(tmp_path / "a", "run.max_steps=9"), tiny_target, corpus, mesh=one_device(),
+    train(tiny_config(tmp_path / "a", *heads, "run.max_steps=9"), tiny_target, corpus, mesh=one_device(),
           on_step=lambda s, r: rest.__setitem__(s, r))
     assert sorted(rest) == [8, 9]
     with pytest.raises(ValueError, match="another config"):
-        train(tiny_config(tmp_path / "a", "data.anchors_per_1k_tokens=60"), tiny_target, corpus, mesh=one_device())
+        train(tiny_config(tmp_path / "a", *heads, "data.anchors_per_1k_tokens=60"), tiny_target, corpus,
+              mesh=one_device())
+    if heads:  # nor does one head of the pair resume alone from the pair's checkpoint
+        with pytest.raises(ValueError, match="another config"):
+            train(tiny_config(tmp_path / "a", *heads[1:]), tiny_target, corpus, mesh=one_device())
 
 
 def test_a_checkpoint_from_another_corpus_is_refused(tiny_target, corpus, tmp_path):
@@ -416,18 +425,109 @@ def test_a_head_grown_from_a_shallower_one_computes_what_it_did(tiny_target, cor
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_sharded_step_equals_single_device_step(tiny_target, corpus, tmp_path):
+def test_a_pair_of_heads_trains_each_exactly_as_it_would_alone(tiny_target, corpus, tmp_path, monkeypatch):
+    """Two heads on one teacher per step: after N steps each head's fp32 weights, every step's loss and
+    gradient norm, its held-out numbers and its exported file equal a single-head run's with the same
+    config, seed and data. Sharing the teacher changes the cost, nothing else."""
+    from safetensors import safe_open
+
+    from jetspec_jax.loading.head_checkpoint import load_head
+
+    finals = {}  # run -> the state its last step returned
+    train_step = Trainer.train_step
+
+    def recording_step(self, state, batch):
+        state, metrics = train_step(self, state, batch)
+        finals[self.cfg.run.out_dir] = jax.device_get(state)
+        return state, metrics
+
+    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    exports = [str(tmp_path / "heads" / name) for name in ("jetspec", "ddtree")]
+    pair_cfg = tiny_config(tmp_path / "pair", *PAIR, "run.max_steps=6", f"run.export_head={json.dumps(exports)}")
+    pair_rows = {}
+    pair_summary = train(pair_cfg, tiny_target, corpus, mesh=one_device(), on_step=pair_rows.__setitem__)
+    pair = finals[pair_cfg.run.out_dir]
+    assert not np.array_equal(pair["params"]["jetspec"]["fc"], pair["params"]["ddtree"]["fc"])  # two heads
+    assert sorted(pair["params"]) == sorted(pair["opt_state"]) == ["ddtree", "jetspec"] and int(pair["step"]) == 6
+    assert pair_summary["exported_head"] == exports and sorted(pair_summary["eval_by_head"]) == ["ddtree", "jetspec"]
+    for (name, alone), export in zip(pair_cfg.single_heads().items(), exports):
+        alone = dataclasses.replace(alone, run=dataclasses.replace(alone.run, out_dir=str(tmp_path / name),
+                                                                   export_head=str(tmp_path / name / "head")))
+        rows = {}
+        summary = train(alone, tiny_target, corpus, mesh=one_device(), on_step=rows.__setitem__)
+        single = finals[alone.run.out_dir]
+        for part in ("params", "opt_state"):
+            for got, want in zip(jax.tree.leaves(pair[part][name]), jax.tree.leaves(single[part]), strict=True):
+                np.testing.assert_array_equal(got, want)  # bit for bit, fp32
+        assert [pair_rows[s]["loss_by_head"][name] for s in rows] == [rows[s]["loss"] for s in rows]
+        assert [pair_rows[s]["grad_norm_by_head"][name] for s in rows] == [rows[s]["grad_norm"] for s in rows]
+        assert [pair_rows[s]["tokens_seen"] for s in rows] == [rows[s]["tokens_seen"] for s in rows]
+        evals = [s for s in rows if "eval_loss" in rows[s]]
+        assert evals == [4, 6] and all("eval_loss" not in pair_rows[s] for s in pair_rows)
+        for s in evals:
+            assert pair_rows[s]["eval_by_head"][name] == {k: v for k, v in rows[s].items() if k.startswith("eval_")}
+        assert pair_summary["eval_by_head"][name]["eval_by_kind"] == summary["eval_by_kind"]
+        (cfg_pair, exported), (cfg_single, alone_exported) = (load_head(d, jnp.float32) for d in (
+            export, alone.run.export_head))
+        assert cfg_pair == cfg_single and cfg_pair.attention == alone.head.attention
+        for got, want in zip(jax.tree.leaves(exported), jax.tree.leaves(alone_exported), strict=True):
+            np.testing.assert_array_equal(got, want)
+        with safe_open(f"{export}/head.safetensors", "np") as f:  # the head's own numbers, as its run's
+            recorded = json.loads(f.metadata()["summary"])
+        assert recorded["head"] == name and recorded["trained_with"] == ["jetspec", "ddtree"]
+        assert recorded["eval_loss"] == summary["eval_loss"] and recorded["steps"] == summary["steps"] == 6
+
+
+def test_each_head_of_a_pair_warm_starts_from_its_own_export(tiny_target, corpus, tmp_path, monkeypatch):
+    from jetspec_jax.loading.head_checkpoint import CONFIG_FILE, load_head, save_head
+
+    causal = Trainer(tiny_config(tmp_path), tiny_target, one_device())
+    head_dir = tmp_path / "head"
+    save_head(str(head_dir), causal.head_cfg, causal.init_state(5)["params"], target=tiny_target)
+    _, exported = load_head(str(head_dir), jnp.float32)
+    states = []  # the state each step starts from
+    train_step = Trainer.train_step
+
+    def recording_step(self, state, batch):
+        states.append(jax.device_get(state))
+        return train_step(self, state, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    cfg = tiny_config(tmp_path / "run", *PAIR, f'head.init_from=["{head_dir}", ""]', "run.max_steps=1",
+                      "run.eval_answers_per_kind=0")
+    summary = train(cfg, tiny_target, corpus, mesh=one_device())
+    params = states[0]["params"]
+    for got, want in zip(jax.tree.leaves(params["jetspec"]), jax.tree.leaves(exported), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))
+    random_init = causal.init_state(cfg.run.seed)["params"]  # "": the random weights it would start alone from
+    for got, want in zip(jax.tree.leaves(params["ddtree"]), jax.tree.leaves(random_init), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))
+    sha = json.loads((head_dir / CONFIG_FILE).read_text())["weights_sha256"]
+    recorded = {"jetspec": {"path": str(head_dir), "weights_sha256": sha, "layers": 1}}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 0, "warm_start": recorded} and summary["warm_start"] == recorded
+    with pytest.raises(ValueError, match="does not fit this run: attention is 'causal' there, 'bidirectional' here "
+                                         "\\(head.attention\\)"):  # the causal head given for the ddtree entry
+        train(tiny_config(tmp_path / "swapped", *PAIR, f'head.init_from=["", "{head_dir}"]'), tiny_target, corpus,
+              mesh=one_device())
+
+
+@pytest.mark.parametrize("heads", [[], PAIR[:1]], ids=["one-head", "pair"])
+def test_sharded_step_equals_single_device_step(tiny_target, corpus, tmp_path, heads):
     assert len(jax.devices()) == 8
-    cfg = tiny_config(tmp_path, "head.intermediate_size=512", "data.length_buckets=[64]", "optim.tokens_per_batch=512")
+    cfg = tiny_config(tmp_path, *heads, "head.intermediate_size=512", "data.length_buckets=[64]",
+                      "optim.tokens_per_batch=512")
     batch = training_stream(corpus.answers("train"), cfg.buckets(), mixture={}, seed=0).dataset[0]
     assert batch["tokens"].shape == (8, 64)
     results = []
     for mesh in (one_device(), sharding.make_mesh(2, jax.devices())):
         trainer = Trainer(cfg, tiny_target, mesh)
         state, metrics = trainer.train_step(trainer.init_state(0), batch)
-        results.append((float(metrics["loss"]), int(metrics["real_tokens"]), jax.tree.map(np.asarray, state["params"])))
+        results.append((jax.tree.map(float, metrics["loss"]), int(metrics["real_tokens"]),
+                        jax.tree.map(np.asarray, state["params"])))
     (loss1, real1, params1), (loss8, real8, params8) = results
     assert loss8 == pytest.approx(loss1, rel=1e-5) and real1 == real8 == int(batch["length"].sum())
+    assert jax.tree.structure(params1) == jax.tree.structure(params8)  # a pair: both heads, by name
     for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params8)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     spec = sharding.partition_spec(draft_head.param_specs(trainer.head_cfg)["layers"][0]["w_gate"],
@@ -465,10 +565,60 @@ def test_config_errors_are_one_clear_message():
                                          "optim.tokens_per_batch=1024"):
         check_data_parallel(cfg, 2)
     for name in ("smollm2-135m-jetspec", "smollm2-135m-dflash", "smollm2-135m-general-jetspec",
-                 "smollm2-135m-general-dflash"):
+                 "smollm2-135m-general-dflash", "smollm2-135m-general-pair"):
         check_data_parallel(load_config(name), 8)  # the shipped and the new recipes load and split over 8 GPUs
     old = load_config("smollm2-135m-jetspec")
     assert [tuple(b) for b in old.buckets()] == [(640, 32, 48)]  # the shipped heads' layout, as recorded
     general = load_config("smollm2-135m-general-dflash")
     assert dataclasses.replace(general.head, attention="causal") == load_config("smollm2-135m-general-jetspec").head
     assert general.optim == load_config("smollm2-135m-general-jetspec").optim
+
+
+def test_a_list_of_heads_is_checked_with_the_rest_of_the_config():
+    pair = 'head.attention=["causal", "bidirectional"]'
+    for overrides, message in [
+            (['head.attention=["causal"]'], "head.attention=\\['causal'\\] lists 1 kind\\(s\\): a list trains "
+                                            "several heads, one per kind \\(causal, bidirectional\\); write a "
+                                            "single kind as a string for one head"),
+            (['head.attention=["causal", "causal"]'], "head.attention lists 'causal' 2 times: a list trains one "
+                                                      "head of each kind"),
+            (['head.attention=["causal", "bidi"]'], "head.attention entries must be one of causal, bidirectional, "
+                                                    "got 'bidi'"),
+            (['head.attention=[1, 2]'], "head.attention must be a string or a list of strings \\(one per head\\)"),
+            ([pair, "run.export_head=heads/x"], "run.export_head='heads/x' must list one directory per "
+                                                "head.attention entry"),
+            ([pair, 'head.init_from=["heads/a"]'], "head.init_from lists 1 entries for the 2 heads of "
+                                                   "head.attention=\\['causal', 'bidirectional'\\]: one per head, "
+                                                   "in the same order"),
+            ([pair, 'run.export_head=["heads/a", "heads/a/"]'], "names a directory twice: each head needs its own"),
+            (['run.export_head=["heads/a", "heads/b"]'], "run.export_head=\\['heads/a', 'heads/b'\\] is a list, "
+                                                        "but head.attention='causal' names one head")]:
+        with pytest.raises(ValueError, match=message):
+            load_config("tiny-cpu", overrides)
+    with pytest.raises(ValueError) as e:  # still every problem in one message
+        load_config("tiny-cpu", ['head.attention=["causal", "causal"]', "optim.learnin_rate=1"])
+    assert "lists 'causal' 2 times" in str(e.value) and "optim.learnin_rate" in str(e.value)
+    cfg = load_config("tiny-cpu", [pair, 'run.export_head=["heads/a", ""]'])
+    assert cfg.is_pair and not load_config("tiny-cpu").is_pair
+    heads = cfg.single_heads()
+    assert list(heads) == ["jetspec", "ddtree"]
+    assert [(c.head.attention, c.head.init_from, c.run.export_head) for c in heads.values()] == [
+        ("causal", "", "heads/a"), ("bidirectional", "", "")]
+    assert heads["jetspec"] == load_config("tiny-cpu", ["run.export_head=heads/a"])
+
+
+def test_one_head_configs_keep_their_fingerprints_and_the_pair_config_is_both_general_ones():
+    """The fingerprints that checkpoints recorded before head.attention could be a list (so those runs
+    still resume), and the pair config trains each head with its single-head config's exact recipe."""
+    assert {name: load_config(name).fingerprint() for name in (
+        "tiny-cpu", "smollm2-135m-jetspec", "smollm2-135m-general-jetspec", "smollm2-135m-general-dflash")} == {
+        "tiny-cpu": "6aa76653dec4cd8c", "smollm2-135m-jetspec": "1a4b1c3277e637b7",
+        "smollm2-135m-general-jetspec": "3bdacafe349dfc80", "smollm2-135m-general-dflash": "53c63bdb57de8e77"}
+    assert load_config("tiny-cpu", ["head.init_from=heads/x"]).fingerprint() == "d622e06463660a69"
+    pair = load_config("smollm2-135m-general-pair")
+    assert list(pair.single_heads()) == ["jetspec", "ddtree"]
+    for alone, name in zip(pair.single_heads().values(), ("general-jetspec", "general-dflash")):
+        single = load_config(f"smollm2-135m-{name}")
+        assert alone.fingerprint() == single.fingerprint()
+        assert alone.run == dataclasses.replace(single.run, name=pair.run.name)
+    assert pair.fingerprint() not in (alone.fingerprint() for alone in pair.single_heads().values())

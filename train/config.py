@@ -60,12 +60,19 @@ class HeadConfig:
     num_layers: int = 2
     block_size: int = 16
     num_taps: int = 5
-    attention: str = "causal"  # causal (JetSpec) | bidirectional (DFlash/DDTree)
+    # causal (JetSpec) | bidirectional (DFlash/DDTree); or a list of both, ["causal", "bidirectional"]: one
+    # process trains a head of each kind on the same batches, the frozen teacher computed once per step,
+    # each head with its own optimizer (head.init_from and run.export_head then list one entry per head)
+    attention: str | list = "causal"
     intermediate_size: int = 0  # 0: the target's
     # warm start: an exported head directory (run.export_head of an earlier run) of this shape, for this
     # target, whose weights the run starts from (a fresh optimizer); "" = random init. A resumed run
     # continues from its checkpoint instead.
-    init_from: str = ""
+    init_from: str | list = ""
+
+
+# A head's name in metrics, checkpoints and summaries, by its attention (the decoding method it serves).
+HEAD_NAMES = {"causal": "jetspec", "bidirectional": "ddtree"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +109,9 @@ class RunConfig:
     eval_answers_per_kind: int = 64  # held-out answers measured per kind of prompt (0: no held-out eval)
     log_every: int = 10
     mesh_model: int = 1  # devices along the parameter-sharding axis; the rest is data parallel
-    export_head: str = ""  # where to write the final head (draft_config.json + head.safetensors, or shards)
+    # where to write the final head (draft_config.json + head.safetensors, or shards); one per head
+    # for a list of head.attention kinds ("" = not exported)
+    export_head: str | list = ""
     max_minutes: float = 0.0  # > 0: stop cleanly (checkpoint + export) after this much training time
     max_steps: int = 0  # > 0: stop cleanly at this step, the schedule still planned over total_steps
 
@@ -130,6 +139,23 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def is_pair(self) -> bool:
+        """head.attention lists several kinds: one head of each, trained together on the same batches."""
+        return isinstance(self.head.attention, list)
+
+    def single_heads(self) -> dict[str, "TrainConfig"]:
+        """Each head's name (HEAD_NAMES) and the config that trains it alone: this config, or for a list of
+        head.attention kinds, this one with that head's attention, head.init_from and run.export_head."""
+        if not self.is_pair:
+            return {HEAD_NAMES[self.head.attention]: self}
+        n = len(self.head.attention)
+        init_from, export_head = self.head.init_from or [""] * n, self.run.export_head or [""] * n
+        return {HEAD_NAMES[attention]: dataclasses.replace(
+                    self, head=dataclasses.replace(self.head, attention=attention, init_from=init),
+                    run=dataclasses.replace(self.run, export_head=export))
+                for attention, init, export in zip(self.head.attention, init_from, export_head)}
 
     def buckets(self) -> tuple["Bucket", ...]:
         """The training rows' shapes, one per `data.length_buckets` entry."""
@@ -183,6 +209,8 @@ def _coerce(cls, section: str, key: str, value: Any) -> tuple[Any, str | None]:
     """(value as the field's type, None) or (None, what is wrong with it)."""
     hint = typing.get_type_hints(cls)[key]
     name = f"{section}.{key}"
+    if hint == str | list:
+        return _coerce_text_or_list(name, value)
     if isinstance(value, str) and hint is not str:
         try:
             value = json.loads(value)
@@ -198,6 +226,50 @@ def _coerce(cls, section: str, key: str, value: Any) -> tuple[Any, str | None]:
     if check is not None and not check(value):
         return None, f"{name} must be {what}, got {value!r}"
     return value, None
+
+
+def _coerce_text_or_list(name: str, value: Any) -> tuple[Any, str | None]:
+    """A text setting that may list one entry per head instead: an override starting with "[" is JSON."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None, f"{name}={value!r} is not a valid JSON list"
+    if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return None, f"{name} must be a string or a list of strings (one per head), got {value!r}"
+    check, what = LIMITS.get(name, (None, None))
+    bad = [v for v in ([value] if isinstance(value, str) else value) if check is not None and not check(v)]
+    if bad:
+        return None, f"{name} {'entries ' if isinstance(value, list) else ''}must be {what}, got {bad[0]!r}"
+    return value, None
+
+
+def _head_problems(cfg: TrainConfig) -> list[str]:
+    """A list of head.attention kinds (several heads) and the per-head lists that go with it."""
+    attention = cfg.head.attention
+    per_head = {"head.init_from": cfg.head.init_from, "run.export_head": cfg.run.export_head}
+    if not isinstance(attention, list):
+        return [f"{name}={value!r} is a list, but head.attention={attention!r} names one head: give one "
+                f"directory (a list goes with a list of head.attention kinds)"
+                for name, value in per_head.items() if isinstance(value, list)]
+    kinds = ", ".join(HEAD_NAMES)
+    if len(attention) < 2:
+        return [f"head.attention={attention!r} lists {len(attention)} kind(s): a list trains several heads, "
+                f"one per kind ({kinds}); write a single kind as a string for one head"]
+    problems = [f"head.attention lists {kind!r} {attention.count(kind)} times: a list trains one head of each kind"
+                for kind in sorted(set(attention)) if attention.count(kind) > 1]
+    for name, value in per_head.items():
+        if isinstance(value, str) and value:
+            example = json.dumps([f"{value}-{HEAD_NAMES.get(a, a)}" for a in attention])
+            problems.append(f"{name}={value!r} must list one directory per head.attention entry ({attention!r}; "
+                            f"\"\" for none), e.g. {example}")
+        elif isinstance(value, list) and value and len(value) != len(attention):
+            problems.append(f"{name} lists {len(value)} entries for the {len(attention)} heads of head.attention="
+                            f"{attention!r}: one per head, in the same order (\"\" for none)")
+    exports = [e for e in cfg.run.export_head if e] if isinstance(cfg.run.export_head, list) else []
+    if len(set(map(os.path.normpath, exports))) < len(exports):
+        problems.append(f"run.export_head={cfg.run.export_head!r} names a directory twice: each head needs its own")
+    return problems
 
 
 # Training settings that length buckets replaced: a config or override naming one is told what took its place.
@@ -313,6 +385,8 @@ def build_config(raw: dict[str, Any], where: str) -> TrainConfig:
     if not any(p.startswith(("data.length_buckets", "optim.tokens_per_batch", "data.anchors_per_1k_tokens"))
                for p in problems):
         problems += _layout_problems(cfg)
+    if not any(p.startswith(("head.attention", "head.init_from", "run.export_head")) for p in problems):
+        problems += _head_problems(cfg)
     if problems:
         raise InputError(f"{where}: {'; '.join(problems)}")
     return cfg

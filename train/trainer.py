@@ -1,7 +1,8 @@
 """The draft-head trainer: optax AdamW (warmup + cosine, clipping) on fp32 master weights, the frozen
 target as teacher computed on the fly, batches of length-bucketed answers from the regenerated corpus,
 sharded over a (data, model) device mesh, orbax checkpoints that resume exactly (params, optimizer,
-step, data iterator), held-out loss and acceptance per kind of prompt."""
+step, data iterator), held-out loss and acceptance per kind of prompt. A config listing both attention
+kinds trains a head of each on the same batches, the teacher computed once per step (train_step_heads)."""
 
 from __future__ import annotations
 
@@ -72,18 +73,32 @@ def teacher(target_params, target_cfg: qwen3.Config, tokens: jax.Array, teacher_
     return jax.lax.stop_gradient(logits.reshape(teacher_pos.shape + (-1,))), jax.lax.stop_gradient(taps)
 
 
-def forward_and_loss(head_params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
-    """Returns (loss, (student logits, teacher logits, labels, valid)). Gradients flow to head_params only."""
-    target_params = jax.lax.stop_gradient(target_params)  # the shared embedding / LM head stay frozen
+def teacher_targets(target_params, batch, *, head_cfg, target_cfg: qwen3.Config):
+    """What the heads learn from: labels (B, K, D), their validity, the teacher's logits there and the taps
+    the heads read. The heads of a run share block size and taps, so one computation serves them all."""
     labels, valid, teacher_pos = block_targets(batch["tokens"], batch["length"], batch["anchors"],
                                                batch["anchor_valid"], head_cfg.max_depth)
     teacher_logits, taps = teacher(target_params, target_cfg, batch["tokens"], teacher_pos, head_cfg.tap_layers)
+    return labels, valid, teacher_logits, taps
+
+
+def student_loss(head_params, target_params, batch, targets, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
+    """One head's loss against `teacher_targets`: (loss, (student logits, teacher logits, labels, valid))."""
+    labels, valid, teacher_logits, taps = targets
     compute_params = jax.tree.map(lambda p: p.astype(dtype), head_params)
     student = draft_head.training_logits(compute_params, target_params, target_cfg, batch["tokens"], taps,
                                          batch["anchors"], head_cfg)
     loss = draft_loss(student, teacher_logits, labels, valid, kind=loss_cfg.kind,
                       temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
     return loss, (student, teacher_logits, labels, valid)
+
+
+def forward_and_loss(head_params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
+    """Returns (loss, (student logits, teacher logits, labels, valid)). Gradients flow to head_params only."""
+    target_params = jax.lax.stop_gradient(target_params)  # the shared embedding / LM head stay frozen
+    targets = teacher_targets(target_params, batch, head_cfg=head_cfg, target_cfg=target_cfg)
+    return student_loss(head_params, target_params, batch, targets, loss_cfg=loss_cfg, head_cfg=head_cfg,
+                        target_cfg=target_cfg, dtype=dtype)
 
 
 def batch_token_counts(batch) -> dict[str, jax.Array]:
@@ -105,6 +120,34 @@ def train_step(state, target_params, batch, *, optim: OptimConfig, loss_cfg: Los
     updates, opt_state = make_optimizer(optim).update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **batch_token_counts(batch)}
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("optim", "loss_cfg", "head_cfgs", "target_cfg", "dtype"),
+                   donate_argnums=0)
+def train_step_heads(state, target_params, batch, *, optim: OptimConfig, loss_cfg: LossConfig,
+                     head_cfgs: tuple[tuple[str, draft_head.DraftConfig], ...], target_cfg, dtype):
+    """train_step for several heads on one batch (state's params and opt_state keyed by head name, as
+    head_cfgs): the teacher once, then each head's loss, gradients and AdamW update with its own clipping,
+    the same arithmetic as train_step gives that head alone."""
+    target_params = jax.lax.stop_gradient(target_params)
+    targets = teacher_targets(target_params, batch, head_cfg=head_cfgs[0][1], target_cfg=target_cfg)
+    params, opt_state, losses, grad_norms, previous = {}, {}, {}, {}, None
+    for name, head_cfg in head_cfgs:
+        head_params = state["params"][name]
+        # the previous head's gradients before this head's forward pass, so one student's logits are live at a
+        # time (GPU keeps barriers until after scheduling; the CPU compiler drops them before)
+        if previous is not None:
+            head_params, _ = jax.lax.optimization_barrier((head_params, previous))
+        loss_fn = functools.partial(student_loss, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg,
+                                    dtype=dtype)
+        (losses[name], _), grads = jax.value_and_grad(loss_fn, has_aux=True)(head_params, target_params, batch,
+                                                                             targets)
+        updates, opt_state[name] = make_optimizer(optim).update(grads, state["opt_state"][name],
+                                                                state["params"][name])
+        params[name] = optax.apply_updates(state["params"][name], updates)
+        grad_norms[name], previous = optax.tree.norm(grads), grads
+    metrics = {"loss": losses, "grad_norm": grad_norms, **batch_token_counts(batch)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
@@ -141,22 +184,27 @@ def trim_none(spec) -> tuple:
 
 @dataclasses.dataclass
 class Trainer:
-    """The device placement and static settings of one config and target, around train_step / eval_stats."""
+    """The device placement and static settings of one config and target, around train_step / eval_stats
+    (train_step_heads for a config of several heads: state and parameters keyed by head name)."""
 
     cfg: TrainConfig
     target: Target
     mesh: jax.sharding.Mesh
 
     def __post_init__(self):
-        self.head_cfg = head_config_for(self.cfg, self.target.cfg)
-        draft_head.check_pairing(self.head_cfg, self.target.cfg)
+        # each head's DraftConfig by name, in the config's order (one entry for a single head)
+        self.heads = {name: head_config_for(alone, self.target.cfg) for name, alone in self.cfg.single_heads().items()}
+        for head_cfg in self.heads.values():
+            draft_head.check_pairing(head_cfg, self.target.cfg)
+        self.head_cfg = next(iter(self.heads.values()))  # a single head's
         self.dtype = jnp.dtype(self.cfg.run.compute_dtype)
         self.optimizer = make_optimizer(self.cfg.optim)
         # specs without trailing Nones, as jit returns them: P(None, None) and P() are the same layout but
         # not the same cache key, and a step whose output differs from its input would compile twice
-        self.param_shardings = jax.tree.map(
+        self.param_shardings = {name: jax.tree.map(
             lambda s: jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*trim_none(s.spec))),
-            sharding.param_shardings(draft_head.param_specs(self.head_cfg), self.mesh))
+            sharding.param_shardings(draft_head.param_specs(head_cfg), self.mesh))
+            for name, head_cfg in self.heads.items()}
         self.target_params = jax.device_put(
             jax.tree.map(lambda p: p.astype(self.dtype), self.target.params),
             sharding.param_shardings(qwen3.param_specs(self.target.cfg), self.mesh))
@@ -166,20 +214,37 @@ class Trainer:
     def init_state(self, seed: int, params=None) -> dict[str, Any]:
         """Head parameters (random from `seed`, or `params`, e.g. warm_start_params') and a fresh optimizer
         state, placed by their shardings (built op by op: a head is small, and a jitted init would compile
-        again for every trainer)."""
-        if params is None:
-            params = init_params(draft_head.param_specs(self.head_cfg), jax.random.key(seed), jnp.float32)
-        params = jax.device_put(params, self.param_shardings)
-        state = {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
+        again for every trainer). Several heads: `params` maps head names to parameters (absent or None:
+        random), and every head starts as it would alone."""
+        def head_params(name, given):
+            if given is None:
+                given = init_params(draft_head.param_specs(self.heads[name]), jax.random.key(seed), jnp.float32)
+            return jax.device_put(given, self.param_shardings[name])
+
+        if self.cfg.is_pair:
+            params = {name: head_params(name, (params or {}).get(name)) for name in self.heads}
+            opt_state = {name: self.optimizer.init(p) for name, p in params.items()}
+        else:
+            params = head_params(next(iter(self.heads)), params)
+            opt_state = self.optimizer.init(params)
+        state = {"params": params, "opt_state": opt_state, "step": jnp.int32(0)}
         # every leaf on the mesh, as train_step returns them (a scalar left on one device would compile twice)
         return jax.device_put(state, jax.tree.map(lambda x: x.sharding if isinstance(
             x.sharding, jax.sharding.NamedSharding) else sharding.replicated(self.mesh), state))
 
-    def warm_start_params(self) -> tuple[Any, dict[str, str]]:
+    def warm_start_params(self) -> tuple[Any, dict[str, Any]]:
         """fp32 master weights from the exported head at head.init_from, and what they are (path, sha256,
         layers). Refused unless that head has this config's shape, but for fewer layers (grown by
-        grow_layers), and was trained for this target."""
-        path = self.cfg.head.init_from
+        grow_layers), and was trained for this target. Several heads: both keyed by the names of the heads
+        that have a head.init_from entry."""
+        if not self.cfg.is_pair:
+            return self.head_weights(self.cfg.head.init_from, self.head_cfg)
+        loaded = {name: self.head_weights(alone.head.init_from, self.heads[name])
+                  for name, alone in self.cfg.single_heads().items() if alone.head.init_from}
+        return {name: p for name, (p, _) in loaded.items()}, {name: r for name, (_, r) in loaded.items()}
+
+    def head_weights(self, path: str, head_cfg: draft_head.DraftConfig) -> tuple[Any, dict[str, Any]]:
+        """One warm-start head (warm_start_params) for the head of head_cfg."""
         fix = ("point head.init_from at a head exported (run.export_head) for this target with this [head] "
                "shape, or set head.init_from=\"\" to start from random weights")
         try:
@@ -190,18 +255,18 @@ class Trainer:
         if record.target_fingerprint is not None and record.target_fingerprint != self.target.fingerprint:
             problems.append(f"it was trained for target {record.target_name!r} (fingerprint "
                             f"{record.target_fingerprint}), not {self.target.name!r} ({self.target.fingerprint})")
-        grows = record.cfg.num_layers < self.head_cfg.num_layers
-        problems += [f"{f.name} is {getattr(record.cfg, f.name)!r} there, {getattr(self.head_cfg, f.name)!r} here"
+        grows = record.cfg.num_layers < head_cfg.num_layers
+        problems += [f"{f.name} is {getattr(record.cfg, f.name)!r} there, {getattr(head_cfg, f.name)!r} here"
                      + (f" ({SETTING_OF_HEAD_FIELD[f.name]})" if f.name in SETTING_OF_HEAD_FIELD else "")
                      for f in dataclasses.fields(draft_head.DraftConfig)
-                     if getattr(record.cfg, f.name) != getattr(self.head_cfg, f.name)
+                     if getattr(record.cfg, f.name) != getattr(head_cfg, f.name)
                      and not (f.name == "num_layers" and grows)]
         if problems:
             raise InputError(f"head.init_from={path!r}: the exported head does not fit this run: "
                              f"{'; '.join(problems)}; {fix}")
         params = load_head_weights(record, jnp.float32)
         if grows:
-            params = grow_layers(params, self.head_cfg, self.cfg.run.seed)
+            params = grow_layers(params, head_cfg, self.cfg.run.seed)
         return params, {"path": os.path.abspath(path), "weights_sha256": record.weights_digest(),
                         "layers": record.cfg.num_layers}
 
@@ -213,18 +278,31 @@ class Trainer:
 
     def train_step(self, state, batch):
         with jax.set_mesh(self.mesh):
+            if self.cfg.is_pair:
+                return train_step_heads(state, self.target_params, self.place_batch(batch), optim=self.cfg.optim,
+                                        loss_cfg=self.cfg.loss, head_cfgs=tuple(self.heads.items()),
+                                        target_cfg=self.target.cfg, dtype=self.dtype)
             return train_step(state, self.target_params, self.place_batch(batch), optim=self.cfg.optim, **self.static)
 
     def evaluate(self, params, batches: list[dict]) -> dict[str, Any]:
-        """Held-out loss, expected chain tau and per-depth acceptance, over all rows and per kind of prompt.
-        Every process holds every held-out batch and gives its own rows of each."""
+        """Held-out loss, expected chain tau and per-depth acceptance, over all rows and per kind of prompt
+        (`eval_by_head`: these per head, for several heads). Every process holds every held-out batch and
+        gives its own rows of each."""
+        if self.cfg.is_pair:
+            return {"eval_by_head": {name: self.evaluate_head(params[name], batches, head_cfg)
+                                     for name, head_cfg in self.heads.items()}}
+        return self.evaluate_head(params, batches, self.head_cfg)
+
+    def evaluate_head(self, params, batches: list[dict], head_cfg: draft_head.DraftConfig) -> dict[str, Any]:
+        """`evaluate` for one head (the teacher computed anew for each: it is a small part of a rare step)."""
         rows, kinds = collections.defaultdict(list), []
         index, count = jax.process_index(), jax.process_count()
+        static = {**self.static, "head_cfg": head_cfg}
         with jax.set_mesh(self.mesh):
             for batch in batches:
                 per = len(batch["tokens"]) // count
                 local = {k: v[index * per:(index + 1) * per] for k, v in batch.items()}
-                stats = eval_stats(params, self.target_params, self.place_batch(local), **self.static)
+                stats = eval_stats(params, self.target_params, self.place_batch(local), **static)
                 stats = jax.device_get(stats) if count == 1 else multihost_utils.process_allgather(stats, tiled=True)
                 for k, v in stats.items():
                     rows[k].append(np.asarray(v))
@@ -351,11 +429,42 @@ class TokenCounter:
         return window
 
 
+def loss_fields(metrics: dict, by_head: bool) -> dict[str, Any]:
+    """A metrics row's training loss and gradient norm: `loss`, `grad_norm`, or for several heads
+    `loss_by_head`, `grad_norm_by_head`. Fetching them waits for the step."""
+    got = jax.device_get({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]})
+    if not by_head:
+        return {"loss": float(got["loss"]), "grad_norm": float(got["grad_norm"])}
+    return {f"{k}_by_head": {name: float(v) for name, v in got[k].items()} for k in ("loss", "grad_norm")}
+
+
+def progress_fields(row: dict, last_eval: dict) -> dict[str, str]:
+    """The progress bar's loss, rate and latest held-out tau (loss/tau per head for several heads)."""
+    if "loss" in row:
+        return {"loss": f"{row['loss']:.4f}", "tok_s": f"{row['tokens_per_s']:.0f}",
+                "tau": f"{last_eval.get('eval_expected_tau', float('nan')):.2f}"}
+    evals = last_eval.get("eval_by_head", {})
+    return {"tok_s": f"{row['tokens_per_s']:.0f}",
+            **{name: f"{loss:.4f} tau {evals.get(name, {}).get('eval_expected_tau', float('nan')):.2f}"
+               for name, loss in row["loss_by_head"].items()}}
+
+
+def summary_of_head(summary: dict, name: str, heads: list[str]) -> dict:
+    """One head's part of a several-head run's summary, as its own run's summary would read (its held-out
+    numbers and warm start at the top level), naming the heads it trained with."""
+    own = {k: v for k, v in summary.items() if k not in ("eval_by_head", "warm_start")}
+    own.update(summary.get("eval_by_head", {}).get(name, {}))
+    if name in summary.get("warm_start", {}):
+        own["warm_start"] = summary["warm_start"][name]
+    return {**own, "head": name, "trained_with": heads}
+
+
 def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
           stop_after: int | None = None, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains on `corpus.answers("train")` (resuming from the run directory's latest checkpoint), measures
-    on `corpus.answers("heldout")` every run.eval_every steps, and exports the head.
-    `stop_after` ends the process early without a final save (used to test kill-and-resume)."""
+    on `corpus.answers("heldout")` every run.eval_every steps, and exports the head (each head of a config
+    listing several to its run.export_head entry). `stop_after` ends the process early without a final
+    save (used to test kill-and-resume)."""
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     os.makedirs(run_dir, exist_ok=True)
     mesh = sharding.make_mesh(cfg.run.mesh_model) if mesh is None else mesh
@@ -410,10 +519,10 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
                       or 0 < cfg.run.max_steps <= step)
         last = step == cfg.optim.total_steps or stop_early
         if step % cfg.run.log_every == 0 or last or on_step is not None:
-            loss = float(metrics["loss"])  # waits for the step: the rates below are device-bound
+            losses = loss_fields(metrics, cfg.is_pair)  # waits for the step: the rates below are device-bound
             now = time.perf_counter()
             window, seconds = counter.take_window(), max(now - t_last, 1e-9)
-            row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+            row = {"step": step, **losses,
                    "tokens_per_s": window["real_tokens"] / seconds,
                    "answer_tokens_per_s": window["answer_tokens"] / seconds,
                    "padded_tokens_per_s": window["padded_tokens"] / seconds,
@@ -425,8 +534,7 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
                 row.update(last_eval)
             t_last = time.perf_counter()  # the eval's time is not the training rate's
             append_jsonl(metrics_path, row)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            tau=f"{last_eval.get('eval_expected_tau', float('nan')):.2f}")
+            bar.set_postfix(progress_fields(row, last_eval))
             if on_step is not None:
                 on_step(step, row)
         bar.update(1)
@@ -452,10 +560,16 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
                "train_seconds_this_run": time.perf_counter() - t_start, **last_eval}
     if warm_start:
         summary["warm_start"] = warm_start
-    if cfg.run.export_head:
-        params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), state["params"])
-        save_head(cfg.run.export_head, trainer.head_cfg, params,
-                  metadata={"config": json.dumps(cfg.to_dict()), "summary": json.dumps(summary),
+    for name, alone in cfg.single_heads().items():
+        if not alone.run.export_head:
+            continue
+        params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16),
+                              state["params"][name] if cfg.is_pair else state["params"])
+        save_head(alone.run.export_head, trainer.heads[name], params,
+                  metadata={"config": json.dumps(cfg.to_dict()),
+                            "summary": json.dumps(summary_of_head(summary, name, list(trainer.heads))
+                                                  if cfg.is_pair else summary),
                             "target": target.name, "corpus": corpus_fingerprint(corpus)}, target=target)
+    if cfg.run.export_head:
         summary["exported_head"] = cfg.run.export_head
     return summary
