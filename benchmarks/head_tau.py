@@ -1,6 +1,8 @@
 """Acceptance of a trained head on held-out prompts: tau per method and budget, with AR in the same run.
 
     python benchmarks/head_tau.py --head jetspec_jax/heads/smollm2-135m-jetspec --out benchmarks/results/head_tau.json
+    # tree-causal drafting with the same (causal) head
+    python benchmarks/head_tau.py --head jetspec_jax/heads/smollm2-135m-jetspec --methods jetspec jetspec-tc
 
 Prompts: the first N GSM8K test questions (never trained on) with the math instruction, chat template,
 greedy. Every speculative output is checked token for token against the AR output.
@@ -30,6 +32,9 @@ def main():
     p.add_argument("--head", action="append", required=True, help="head directory (repeat for several)")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--width", type=int, default=7)
+    p.add_argument("--methods", nargs="+", default=None, choices=["jetspec", "jetspec-tc", "ddtree", "dflash"],
+                   help="the methods each head runs that suit its attention (default: jetspec for a causal head, "
+                        "ddtree and dflash for a bidirectional one)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
@@ -51,7 +56,9 @@ def main():
                    environment=environment())
     for head_dir in args.head:
         head_cfg, head_params = load_head(head_dir, dtype)
-        methods = ["jetspec"] if head_cfg.attention == "causal" else ["ddtree", "dflash"]
+        causal = head_cfg.attention == "causal"
+        suited = ("jetspec", "jetspec-tc") if causal else ("ddtree", "dflash")
+        methods = [m for m in args.methods if m in suited] if args.methods else (["jetspec"] if causal else suited)
         for method in methods:
             for budget in (args.budgets if method != "dflash" else [head_cfg.block_size]):
                 kwargs = dict(method=method, head=(head_cfg, head_params), budget=budget, width=args.width,

@@ -6,10 +6,16 @@
     # a Qwen3-8B-shaped target and 5-layer head with random bf16 weights (the cost model)
     python benchmarks/spec_step_breakdown.py --target qwen3-8b-shaped --contexts 1024 4096 \\
         --budgets 16 32 64 128 256 --attention xla cudnn pallas --out benchmarks/results/qwen3_8b_cost_h200.json
+    # tree-causal drafting (issue #20): jetspec and jetspec-tc rows side by side
+    python benchmarks/spec_step_breakdown.py --methods jetspec jetspec-tc --budgets 16 64 256 \\
+        --out benchmarks/results/spec_step_breakdown_tree_causal_h200.json
 
 Stages: draft pass (head forward over [anchor, MASK...] and its LM head), tree build (top-W per depth
 + best-first), verify pass (one target forward over the tree), accept + cache compaction +
-head-context update. Each runs `--iters` times inside one jitted fori_loop, its buffers threaded
+head-context update; jetspec-tc rows build the candidate tree in the tree stage and add its second
+head pass over that tree (`tc_pass_ms`: the candidate parents' node and query slots through the head,
+the LM head and log-softmax on the query slots) and the re-selection of the verified tree
+(`tc_select_ms`). Each runs `--iters` times inside one jitted fori_loop, its buffers threaded
 through the loop as in generation; the loop's trip count is an argument, so one executable times
 `iters` and 1 iterations and the difference cancels the call's fixed cost. `loop_step_ms` is a whole
 step measured inside `speculative_generate` (embedded target only), `ar_step_ms` one decode step
@@ -35,8 +41,9 @@ from jetspec_jax.autoregressive import GenerationConfig, prefill  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
-from jetspec_jax.speculative import (ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, GEMM_BACKENDS,  # noqa: E402
-                                     HeadDrafter, SpecConfig, speculative_generate)
+from jetspec_jax.speculative import (ATTENTION_IMPLS, CANDIDATE_FACTOR, DRAFT_ATTENTION_IMPLS,  # noqa: E402
+                                     GEMM_BACKENDS, HeadDrafter, SpecConfig, select_trees, speculative_generate,
+                                     tree_causal_pass)
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
@@ -93,6 +100,12 @@ def main():
     p.add_argument("--compactions", nargs="+", default=["auto"], choices=COMPACT_IMPLS,
                    help="cache compaction; as --tree-builders (others: accept_commit_ms_<compaction>)")
     p.add_argument("--width", type=int, default=7)
+    p.add_argument("--methods", nargs="+", default=["jetspec"], choices=["jetspec", "jetspec-tc"],
+                   help="one row per method and budget; jetspec-tc rows add tc_pass_ms and tc_select_ms")
+    p.add_argument("--candidate-factor", type=int, default=CANDIDATE_FACTOR,
+                   help="jetspec-tc: candidate tree nodes per verified node")
+    p.add_argument("--conditioned-width", type=int, default=None,
+                   help="jetspec-tc: new children per candidate parent from the second pass (default: --width)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--contexts", type=int, nargs="+", default=[512], help="committed tokens before the step")
     p.add_argument("--attention", nargs="+", default=["xla"], choices=ATTENTION_IMPLS,
@@ -113,6 +126,8 @@ def main():
     depth, taps_wanted = head_cfg.max_depth, head_cfg.tap_layers
     b = args.batch
     payload = dict(benchmark="spec_step_breakdown", model=description, batch=b, width=args.width,
+                   methods=args.methods, candidate_factor=args.candidate_factor,
+                   conditioned_width=args.conditioned_width,
                    head=dict(layers=head_cfg.num_layers, width=head_cfg.hidden_size, block=head_cfg.block_size,
                              taps=list(head_cfg.tap_layers)),
                    iters=iters, rows=[], environment=environment())
@@ -151,13 +166,15 @@ def main():
             state = ContextState(args, cfg, params, head, drafter, anchor, cache, ctx, draft_logits, prompt, lens,
                                  cache_len, iters)
             for budget in args.budgets:
-                rows.append(dict(stage_row(state, budget, impl), draft_ms=draft_ms, **other_drafts, ar_step_ms=ar_ms,
-                                 draft_attention=args.draft_attention[0]))
-                finish_row(rows[-1], budget)
-                print(rows[-1], flush=True)
-                write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
-    print_table(rows, ["context", "attention", "budget", "draft_ms"]
+                for method in args.methods:
+                    rows.append(dict(stage_row(state, budget, impl, method), draft_ms=draft_ms, **other_drafts,
+                                     ar_step_ms=ar_ms, draft_attention=args.draft_attention[0]))
+                    finish_row(rows[-1], budget)
+                    print(rows[-1], flush=True)
+                    write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
+    print_table(rows, ["context", "attention", "method", "budget", "draft_ms"]
                 + [f"draft_ms_{impl}" for impl in args.draft_attention[1:]] + ["tree_builder", "tree_ms"]
+                + (["candidate_budget", "tc_pass_ms", "tc_select_ms"] if "jetspec-tc" in args.methods else [])
                 + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
                 + ["verify_ms", "accept_commit_ms"] + [f"accept_commit_ms_{c}" for c in args.compactions[1:]]
                 + ["sum_ms", "loop_step_ms"] + [f"loop_step_ms_{g}" for g in args.gemm_backends[1:]]
@@ -187,14 +204,20 @@ class ContextState:
         return self.drafter.max_depth
 
 
-def stage_row(st: ContextState, budget: int, impl: str) -> dict:
-    """Tree build, verify and accept+commit times (ms) at one budget and verify attention path, plus
-    the whole step inside speculative_generate for the embedded target."""
+def stage_row(st: ContextState, budget: int, impl: str, method: str = "jetspec") -> dict:
+    """Tree build, verify and accept+commit times (ms) at one budget and verify attention path (for
+    jetspec-tc also its second head pass and re-selection), plus the whole step inside
+    speculative_generate for the embedded target."""
     args, cfg, taps_wanted = st.args, st.cfg, st.drafter.cfg.tap_layers
+    tc = method == "jetspec-tc"
+    spec = SpecConfig(method, budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
+                      compact_impl=args.compactions[0], candidate_budget=args.candidate_factor * budget if tc else None,
+                      conditioned_width=args.conditioned_width if tc else None)
+    tree_budget = spec.candidates if tc else budget  # jetspec-tc: this stage builds the candidate tree
 
     def make_tree(logits, anchor, builder=args.tree_builders[0]):
         tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
-        return build_trees(anchor, tokens, logps, budget=budget, implementation=builder)
+        return build_trees(anchor, tokens, logps, budget=tree_budget, implementation=builder)
 
     tree_ms = {}
     for builder in args.tree_builders:
@@ -204,6 +227,28 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
 
         tree_ms[builder] = per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
     tree = jax.jit(make_tree)(st.draft_logits, st.anchor)
+    tc_ms = {}
+    if tc:
+        candidates = tree
+
+        def pass_body(i, tokens, head, params, ctx, candidates):  # the next pass reads tokens the last one chose
+            _, _, logps = tree_causal_pass(params, head, candidates._replace(tokens=tokens), None, ctx,
+                                           drafter=st.drafter, spec=spec, depth=st.depth)
+            return (tokens + jnp.argmax(logps[:, :1], axis=-1).astype(jnp.int32)) % cfg.vocab_size
+
+        tc_ms["tc_pass_ms"] = per_iteration_ms(pass_body, candidates.tokens, st.iters, st.head, st.params, st.ctx,
+                                               candidates)
+        second_pass = jax.jit(lambda p, h, c, t: tree_causal_pass(p, h, t, None, c, drafter=st.drafter, spec=spec,
+                                                                  depth=st.depth))
+        nodes, real, logps = second_pass(st.params, st.head, st.ctx, candidates)
+
+        def select_body(i, logps, candidates, nodes, real):
+            chosen = select_trees(candidates, nodes, real, logps, spec=spec, depth=st.depth)
+            return logps + 1e-6 * chosen.scores[:, -1:, None]  # carried, so each selection is real
+
+        tc_ms["tc_select_ms"] = per_iteration_ms(select_body, logps, st.iters, candidates, nodes, real)
+        tree = jax.jit(lambda c, n, r, lp: select_trees(c, n, r, lp, spec=spec, depth=st.depth))(
+            candidates, nodes, real, logps)
 
     def verify_body(i, cache, params, tree):
         _, _, cache = verify_tree(params, tree, cache, cfg, taps_wanted, impl)
@@ -225,16 +270,16 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
 
         accept_ms[compaction] = per_iteration_ms(accept_body, (verified_cache, st.ctx), st.iters, tree, vlogits,
                                                  node_taps, st.head)
-    row = dict(context=st.prompt.shape[1], attention=impl, budget=budget, width=args.width,
+    row = dict(context=st.prompt.shape[1], attention=impl, method=method, budget=budget, width=args.width,
                tree_builder=args.tree_builders[0], tree_ms=tree_ms[args.tree_builders[0]], verify_ms=verify_ms,
-               compaction=args.compactions[0], accept_commit_ms=accept_ms[args.compactions[0]])
+               compaction=args.compactions[0], accept_commit_ms=accept_ms[args.compactions[0]], **tc_ms)
+    if tc:
+        row.update(candidate_budget=spec.candidates, conditioned_width=spec.extend_width,
+                   tc_pass_slots=2 * spec.conditioned_nodes(st.depth))
     row.update({f"tree_ms_{builder}": ms for builder, ms in tree_ms.items() if builder != args.tree_builders[0]})
     row.update({f"accept_commit_ms_{c}": ms for c, ms in accept_ms.items() if c != args.compactions[0]})
     for backend in args.gemm_backends if args.target == "embedded" else ():
-        spec = SpecConfig("jetspec", budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
-                          compact_impl=args.compactions[0], gemm_backend=backend)
-
-        def full(n, spec=spec):
+        def full(n, spec=dataclasses.replace(spec, gemm_backend=backend)):
             gen = GenerationConfig(max_new_tokens=n)
             return lambda: speculative_generate(st.params, st.head, st.prompt, st.lens, jax.random.key(0), cfg=cfg,
                                                 drafter=st.drafter, spec=spec, gen=gen, cache_len=st.cache_len)
@@ -249,9 +294,11 @@ def stage_row(st: ContextState, budget: int, impl: str) -> dict:
 
 def finish_row(row: dict, budget: int) -> None:
     """Adds the sums and ratios once the draft and AR step times are in the row."""
-    row["sum_ms"] = row["draft_ms"] + row["tree_ms"] + row["verify_ms"] + row["accept_commit_ms"]
+    tc_ms = row.get("tc_pass_ms", 0.0) + row.get("tc_select_ms", 0.0)
+    row["sum_ms"] = row["draft_ms"] + row["tree_ms"] + tc_ms + row["verify_ms"] + row["accept_commit_ms"]
     row["verify_over_ar"] = row["verify_ms"] / row["ar_step_ms"]
-    row["c_percent"] = 100 * row["draft_ms"] / (budget * row["verify_ms"])
+    # the drafting cost: the head's passes (jetspec-tc: both)
+    row["c_percent"] = 100 * (row["draft_ms"] + row.get("tc_pass_ms", 0.0)) / (budget * row["verify_ms"])
     if "loop_step_ms" in row:
         row["step_over_ar"] = row["loop_step_ms"] / row["ar_step_ms"]
 

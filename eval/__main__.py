@@ -20,7 +20,7 @@ from jetspec_jax.train.config import DEFAULT_DATA_DIR
 from .datasets import BENCHMARKS
 from .heads import ATTENTION_OF_ROLE
 from .report import write_report
-from .runner import DEFAULT_BUDGETS, DEFAULT_RESULTS, METHODS, RESULTS_DIR, EvalConfig, run_eval
+from .runner import DEFAULT_BUDGETS, DEFAULT_METHODS, DEFAULT_RESULTS, METHODS, RESULTS_DIR, EvalConfig, run_eval
 
 
 def parse_heads(values: list[str]) -> dict[str, str]:
@@ -41,11 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), metavar="NAME",
                      help=f"any of {', '.join(BENCHMARKS)} (default: all; the last four are held-out "
                           "training-mixture prompts with no reference: tau, speedup and the lossless check)")
-    run.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
-                     help=f"any of {', '.join(METHODS)} (default: all; ar always runs, as the baseline)")
+    run.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD",
+                     help=f"any of {', '.join(METHODS)} (default: {', '.join(DEFAULT_METHODS)}; ar always runs, "
+                          "as the baseline)")
     run.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS), metavar="B",
-                     help="tree nodes per verify pass for jetspec/ddtree (dflash runs one chain as long as "
-                          "its head's block)")
+                     help="tree nodes per verify pass for jetspec/jetspec-tc/ddtree (dflash runs one chain as "
+                          "long as its head's block)")
     run.add_argument("--temperatures", nargs="+", type=float, default=[0.0], metavar="T",
                      help="0 = greedy (compared token by token with AR); 1 = sampling")
     run.add_argument("--limit", type=int, default=None,
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--results", default=DEFAULT_RESULTS,
                      help="JSONL file to append to and resume from (default: eval/results/results.jsonl)")
     run.add_argument("--heads", nargs="+", action="extend", default=[], metavar="ROLE=DIR",
-                     help="jetspec=DIR (causal head) and/or bidirectional=DIR (ddtree, dflash); default: "
+                     help="jetspec=DIR (causal head: jetspec, jetspec-tc) and/or bidirectional=DIR (ddtree, "
+                          "dflash); default: "
                           "the head shipped for the target")
     run.add_argument("--heads-label", default=None, metavar="NAME",
                      help="names this run's head set in the report, which shows results files of two head "

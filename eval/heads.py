@@ -17,7 +17,7 @@ from jetspec_jax.target import Target
 
 log = logging.getLogger(__name__)
 
-ROLE_OF_METHOD = {"jetspec": "jetspec", "ddtree": "bidirectional", "dflash": "bidirectional"}
+ROLE_OF_METHOD = {"jetspec": "jetspec", "jetspec-tc": "jetspec", "ddtree": "bidirectional", "dflash": "bidirectional"}
 ATTENTION_OF_ROLE = {"jetspec": "causal", "bidirectional": "bidirectional"}
 UNTRAINED = "untrained"
 # random_head builds DraftConfig.for_target with its default block, so read that default

@@ -15,7 +15,7 @@ from .records import label_heads, line_key, read_lines, read_meta
 
 log = logging.getLogger(__name__)
 
-METHOD_ORDER = ("ar", "dflash", "ddtree", "jetspec")
+METHOD_ORDER = ("ar", "dflash", "ddtree", "jetspec", "jetspec-tc")
 LOSSLESS_NOTE = ("At temperature 0 every speculative method must reproduce AR's tokens exactly, and in fp32 "
                  "the count must be 0. In bf16 a tree verify pass rounds differently from a one-token step "
                  "(other matmul shapes, other reduction orders), so wherever the target's top two logits are "

@@ -2,6 +2,7 @@
 
     python -m jetspec_jax.generate "What is 7 * 8?"
     python -m jetspec_jax.generate "What is 7 * 8?" --method jetspec --head HEAD_DIR --budget 64
+    python -m jetspec_jax.generate "What is 7 * 8?" --method jetspec-tc --budget 64 --candidate-budget 256
 
 Prompts go through the tokenizer's chat template (non-thinking), run through the jitted generator
 in one device call, and come back as texts and token ids with timing and acceptance statistics. On a
@@ -28,8 +29,9 @@ from jetspec_jax.loading.head_checkpoint import load_head, no_head_message, pack
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params
 from jetspec_jax.sampling import SamplingConfig
-from jetspec_jax.speculative import (ATTENTION_IMPLS, GEMM_BACKENDS, METHODS, HeadDrafter, SpecConfig,
-                                     check_tree_temperature, jitted_generate, speculative_cache_rows)
+from jetspec_jax.speculative import (ATTENTION_IMPLS, ATTENTION_OF_METHOD, GEMM_BACKENDS, METHODS, HeadDrafter,
+                                     SpecConfig, check_tree_causal_settings, check_tree_temperature, jitted_generate,
+                                     speculative_cache_rows)
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.tree import validate_tree_settings
 
@@ -164,7 +166,9 @@ def check_head_attention(spec: SpecConfig, head_cfg: draft_head.DraftConfig) -> 
     if isinstance(head_cfg.attention, str) and head_cfg.attention != spec.expected_attention():
         raise ValueError(f"method {spec.method!r} expects a {spec.expected_attention()} head, but this head is "
                          f"{head_cfg.attention}; use --method "
-                         f"{'jetspec' if head_cfg.attention == 'causal' else 'ddtree or dflash'}")
+                         f"{'jetspec or jetspec-tc' if head_cfg.attention == 'causal' else 'ddtree or dflash'}")
+    if spec.tree_causal and not isinstance(head_cfg.attention, str):
+        raise ValueError(f"method {spec.method!r} needs a causal head, but this head has an explicit block mask")
 
 
 def random_head(target: Target, attention: str, seed: int = 0):
@@ -179,16 +183,18 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
              system_prompt: str | None = None, max_cache_len: int | None = None,
              attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET,
-             tree_temperature: float = 1.0, gemm_backend: str = "xla") -> GenerationResult:
+             tree_temperature: float = 1.0, gemm_backend: str = "xla", candidate_budget: int | None = None,
+             conditioned_width: int | None = None) -> GenerationResult:
     """Generation for a batch of prompts (greedy when temperature == 0).
 
-    method "ar" decodes token by token; "jetspec", "ddtree" and "dflash" decode speculatively with
-    `head` = (DraftConfig, params) and give the same tokens at temperature 0 and the same
-    distribution at temperature > 0. `attention` picks the attention path of decode steps and verify
+    method "ar" decodes token by token; "jetspec", "jetspec-tc", "ddtree" and "dflash" decode
+    speculatively with `head` = (DraftConfig, params) and give the same tokens at temperature 0 and
+    the same distribution at temperature > 0. `attention` picks the attention path of decode steps and verify
     passes (see qwen3.ATTENTION_IMPLS; "auto" is a Pallas tree kernel on GPU). Prompts are
     right-padded to a multiple of `prompt_bucket`: a larger bucket means fewer shapes to compile.
     `tree_temperature` divides the head's logits before the tree is scored and `gemm_backend` picks
-    the speculative loop's GEMM library on GPU (both SpecConfig).
+    the speculative loop's GEMM library on GPU; `candidate_budget` and `conditioned_width` are
+    jetspec-tc's (all SpecConfig).
     """
     if method != "ar" and method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
@@ -213,7 +219,8 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
         head_cfg, head_params = head
         drafter = HeadDrafter(head_cfg, target.cfg)
         spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
-                          gemm_backend=gemm_backend)
+                          gemm_backend=gemm_backend, candidate_budget=candidate_budget,
+                          conditioned_width=conditioned_width)
         check_head_attention(spec, head_cfg)
         extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
@@ -257,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("auto", "ar") + METHODS, default="auto",
                    help="auto: jetspec when a trained head ships for the target (the embedded model "
                         "has one), else ar; ar: token by token; jetspec: causal head + best-first tree; "
-                        "ddtree: bidirectional head + best-first tree; dflash: bidirectional head, chain")
+                        "jetspec-tc: causal head, tree-causal (a second head pass over a candidate tree, "
+                        "each branch conditioned on its own tokens); ddtree: bidirectional head + "
+                        "best-first tree; dflash: bidirectional head, chain")
     p.add_argument("--head", default=None, help="trained draft head directory (draft_config.json + "
                                                 "head.safetensors); default: the head shipped for the "
                                                 "target, else an untrained one")
@@ -267,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-temperature", type=float, default=1.0,
                    help="divide the head's logits by this before scoring the tree: 1 = the published "
                         "scoring; below 1 drafts deeper along likely paths (the output is the same)")
+    p.add_argument("--candidate-budget", type=int, default=None,
+                   help="jetspec-tc: nodes of the candidate tree the verified one is chosen from (default: 4 x "
+                        "budget)")
+    p.add_argument("--conditioned-width", type=int, default=None,
+                   help="jetspec-tc: new children each candidate parent may get from its path-conditioned "
+                        "distribution (default: --width; 0 only re-scores the candidates)")
     p.add_argument("--gemm-backend", choices=list(GEMM_BACKENDS), default="xla",
                    help="GEMM library of the speculative loop on GPU: xla (XLA's autotuned Triton GEMMs) "
                         "or cublas (faster at budget 256 on the H200, slower at 16 and 64)")
@@ -293,7 +308,7 @@ def resolve_method_and_head(args, target: Target):
     path = args.head or packaged_head_path(target, method)
     if path:
         return method, load_head(path, target.params["embed"].dtype, target=target)
-    attention = "causal" if method == "jetspec" else "bidirectional"
+    attention = ATTENTION_OF_METHOD[method]
     print(f"warning: {no_head_message(target, method)}; using an untrained head (output is still exact, "
           "but tau ~ 1 and nothing is faster)", file=sys.stderr)
     return method, random_head(target, attention, args.seed)
@@ -316,7 +331,9 @@ def check_cli_settings(args) -> None:
     depth = 1 if args.max_depth is None else args.max_depth
     for check in (lambda: SamplingConfig(args.temperature, args.top_k, args.top_p),
                   lambda: validate_tree_settings(args.budget, args.width, depth),
-                  lambda: check_tree_temperature(args.tree_temperature)):
+                  lambda: check_tree_temperature(args.tree_temperature),
+                  lambda: check_tree_causal_settings(args.method, args.budget, args.candidate_budget,
+                                                     args.conditioned_width)):
         try:
             check()
         except ValueError as e:
@@ -329,13 +346,15 @@ def streaming(args) -> bool:
     """Whether this command line streams: --stream/--no-stream, else whether stdout is a terminal. A
     setting the serving engine lacks keeps the batch path, or is an error with an explicit --stream."""
     wanted = sys.stdout.isatty() if args.stream is None else args.stream
-    if not wanted or args.gemm_backend == "xla":
+    lacking = [f"--gemm-backend {args.gemm_backend}"] if args.gemm_backend != "xla" else []
+    lacking += [f"--{name.replace('_', '-')} {getattr(args, name)}"  # the engine runs jetspec-tc with their defaults
+                for name in ("candidate_budget", "conditioned_width") if getattr(args, name) is not None]
+    if not wanted or not lacking:
         return wanted
     if args.stream:
-        raise InputError(f"--stream cannot use --gemm-backend {args.gemm_backend}: the serving engine's chunks "
-                         "are compiled with XLA's GEMMs; drop one of the two")
-    print(f"note: --gemm-backend {args.gemm_backend} runs the batch path; the answers print when it ends",
-          file=sys.stderr)
+        raise InputError(f"--stream cannot use {lacking[0]}: the serving engine's chunks do not take it; drop "
+                         "one of the two")
+    print(f"note: {lacking[0]} runs the batch path; the answers print when it ends", file=sys.stderr)
     return False
 
 
@@ -446,7 +465,8 @@ def generate_command(argv: Sequence[str] | None = None) -> int:
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
                           system_prompt=args.system, attention=args.attention,
-                          tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend)
+                          tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend,
+                          candidate_budget=args.candidate_budget, conditioned_width=args.conditioned_width)
         for prompt, text in zip(args.prompts, result.texts):
             if len(args.prompts) > 1:
                 print(f"### {prompt}")

@@ -5,7 +5,9 @@ the host sees results once. Invariant per sequence: the target cache holds every
 the newest (the anchor), and the drafter has seen the taps of exactly those cached tokens.
 
 Methods: `jetspec` (causal head, best-first tree), `ddtree` (bidirectional head, best-first tree),
-`dflash` (bidirectional head, a chain of each depth's top-1 token).
+`dflash` (bidirectional head, a chain of each depth's top-1 token), `jetspec-tc` (causal head,
+tree-causal: a candidate tree from the per-depth pass, a second head pass over it in which every node
+sees only its own ancestors, and the tree re-selected by path-conditioned log-probability).
 """
 
 from __future__ import annotations
@@ -25,13 +27,20 @@ from jetspec_jax.kernels.tree_build import build_trees
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.sampling import select_tokens
-from jetspec_jax.tree import top_candidates, validate_tree_settings
+from jetspec_jax.tree import (Tree, internal_nodes, max_internal_nodes, select_conditioned, subtree, top_candidates,
+                              validate_tree_settings)
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
 
 ATTENTION_IMPLS = qwen3.ATTENTION_IMPLS
 DRAFT_ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")  # the head's: dense mask or the tree kernel
 
-METHODS = ("jetspec", "ddtree", "dflash")
+METHODS = ("jetspec", "ddtree", "dflash", "jetspec-tc")
+ATTENTION_OF_METHOD = {"jetspec": "causal", "jetspec-tc": "causal", "ddtree": "bidirectional",
+                       "dflash": "bidirectional"}  # the head each method drafts with
+TREE_CAUSAL_METHODS = ("jetspec-tc",)
+# jetspec-tc's candidate tree (pass 1) is this many times the verified budget by default: the second
+# pass reads only its nodes that have children, about candidates / width of them
+CANDIDATE_FACTOR = 4
 
 # XLA options per GEMM backend of the generation executable (GPU only; other backends ignore them).
 # "xla" keeps XLA's autotuned Triton GEMMs; "cublas" sends every dot to cuBLAS, which on the H200
@@ -65,10 +74,16 @@ class SpecConfig:
     # published accum_logp; below 1 sharpens the per-depth distributions, so the best-first growth goes
     # deeper along likely paths. Only which nodes are drafted changes: the output stays exact
     gemm_backend: str = "xla"  # the GEMM library of the whole generation executable (GEMM_BACKENDS)
+    # jetspec-tc only: nodes of the candidate tree grown from the per-depth pass (None: CANDIDATE_FACTOR x
+    # budget), and how many of each candidate parent's top path-conditioned tokens it may add as new
+    # children (None: width; 0: only re-score the candidates)
+    candidate_budget: int | None = None
+    conditioned_width: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method {self.method!r} is not one of {METHODS}")
+        check_tree_causal_settings(self.method, self.budget, self.candidate_budget, self.conditioned_width)
         check_tree_temperature(self.tree_temperature)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl {self.attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
@@ -89,7 +104,48 @@ class SpecConfig:
         return 1 if self.method == "dflash" else self.width
 
     def expected_attention(self) -> str:
-        return "causal" if self.method == "jetspec" else "bidirectional"
+        return ATTENTION_OF_METHOD[self.method]
+
+    @property
+    def tree_causal(self) -> bool:
+        return self.method in TREE_CAUSAL_METHODS
+
+    @property
+    def candidates(self) -> int:
+        """jetspec-tc: nodes of the pass-1 candidate tree."""
+        return self.candidate_budget or CANDIDATE_FACTOR * self.budget
+
+    @property
+    def extend_width(self) -> int:
+        """jetspec-tc: new children each candidate parent may get from its conditioned distribution."""
+        return self.width if self.conditioned_width is None else self.conditioned_width
+
+    def conditioned_nodes(self, depth: int) -> int:
+        """jetspec-tc: nodes the second pass reads (a bound on the candidate tree's parents)."""
+        return max_internal_nodes(self.candidates, self.tree_width, depth)
+
+
+def check_tree_causal_settings(method: str, budget: int, candidate_budget: int | None,
+                               conditioned_width: int | None) -> None:
+    """jetspec-tc's own settings (shared by SpecConfig and the command lines)."""
+    problems = []
+    if method not in TREE_CAUSAL_METHODS:
+        given = [name for name, value in (("candidate_budget", candidate_budget),
+                                          ("conditioned_width", conditioned_width)) if value is not None]
+        if given:
+            problems.append(f"{' and '.join(given)} only apply to {', '.join(TREE_CAUSAL_METHODS)}, not to "
+                            f"method {method!r}")
+    else:
+        if budget < 2:
+            problems.append(f"method {method!r} needs budget >= 2 (the root and at least one drafted node), "
+                            f"got {budget}")
+        if candidate_budget is not None and candidate_budget < budget:
+            problems.append(f"candidate_budget ({candidate_budget}) must be >= budget ({budget}): the "
+                            "candidate tree is what the verified tree is chosen from")
+        if conditioned_width is not None and conditioned_width < 0:
+            problems.append(f"conditioned_width must be >= 0, got {conditioned_width}")
+    if problems:
+        raise ValueError("invalid tree-causal settings: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +181,16 @@ class HeadDrafter:
     def propose(self, params, state, target_params, target_cache: KVCache, anchor, num_depths: int):
         return draft_head.draft_logits(params, target_params, self.target_cfg, anchor, state, self.cfg,
                                        num_depths=num_depths, attention_impl=self.attention_impl)
+
+    def propose_tree(self, params, state, target_params, target_cache: KVCache, tokens, depths, ancestors):
+        """Path-conditioned child logits (B, N, V) of every node of a tree (draft_head.tree_logits)."""
+        if self.cfg.attention != "causal":
+            raise ValueError(f"tree-causal drafting needs a causal (JetSpec) head; this head's attention is "
+                             f"{self.cfg.attention if isinstance(self.cfg.attention, str) else 'an explicit mask'}")
+        # the kernel path writes the block past the context: init_state keeps block_size rows for it
+        impl = self.attention_impl if 2 * tokens.shape[1] <= self.cfg.block_size else "xla"
+        return draft_head.tree_logits(params, target_params, self.target_cfg, tokens, depths, ancestors, state,
+                                      self.cfg, attention_impl=impl)
 
 
 class SpecOutput(NamedTuple):
@@ -171,10 +237,7 @@ def speculative_step(params: Any, drafter_params: Any, anchor: jax.Array, cache:
     decode; `choose(logits (B, N, V)) -> (B, N)` gives the target's token at every node (argmax or a
     sample); `remaining` (B,) caps the committed tokens; sequences that are not `live` commit nothing."""
     taps_wanted = tuple(drafter.tap_layers)
-    draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
-    cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft / spec.tree_temperature, axis=-1),
-                                             spec.tree_width)
-    tree = build_trees(anchor, cand_tokens, cand_logps, budget=spec.budget, implementation=spec.tree_impl)
+    tree = draft_tree(params, drafter_params, anchor, cache, state, drafter=drafter, spec=spec, depth=depth)
     logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted, spec.attention_impl)
     result = accept(tree, choose(logits), depth)
 
@@ -194,6 +257,45 @@ def speculative_step(params: Any, drafter_params: Any, anchor: jax.Array, cache:
     return StepOutput(tokens=jnp.where(live[:, None], result.tokens, pad_token_id), num_committed=n_commit,
                       hit_eos=hit_eos & live, accept_len=result.accept_len,
                       anchor=jnp.where(live, result.bonus, anchor), cache=cache, state=state)
+
+
+def draft_tree(params: Any, drafter_params: Any, anchor: jax.Array, cache: KVCache, state: Any, *, drafter,
+               spec: SpecConfig, depth: int) -> Tree:
+    """The step's draft tree (B sequences, padded to spec.budget): best-first growth on the head's
+    per-depth distributions; for jetspec-tc that tree (spec.candidates nodes) is the candidate set of
+    a tree-causal second pass (`tree_causal_pass`, `select_trees`)."""
+    draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
+    cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft / spec.tree_temperature, axis=-1),
+                                             spec.tree_width)
+    if not spec.tree_causal:
+        return build_trees(anchor, cand_tokens, cand_logps, budget=spec.budget, implementation=spec.tree_impl)
+    candidates = build_trees(anchor, cand_tokens, cand_logps, budget=spec.candidates, implementation=spec.tree_impl)
+    nodes, real, cond_logps = tree_causal_pass(params, drafter_params, candidates, cache, state, drafter=drafter,
+                                               spec=spec, depth=depth)
+    return select_trees(candidates, nodes, real, cond_logps, spec=spec, depth=depth)
+
+
+def tree_causal_pass(params: Any, drafter_params: Any, candidates: Tree, cache: KVCache, state: Any, *, drafter,
+                     spec: SpecConfig, depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """jetspec-tc's second head pass: the candidate tree's nodes that have children (their paths are
+    made of such nodes) go through the head with the tree-causal mask. Returns those nodes (B, P),
+    which of them are real (B, P), and each one's log-distribution of its children given its path
+    (B, P, V), scaled by the tree temperature as the first pass's."""
+    if getattr(drafter, "propose_tree", None) is None:
+        raise ValueError(f"method {spec.method!r} needs a drafter with a tree-causal pass (propose_tree); "
+                         f"{type(drafter).__name__} has none")
+    nodes, real = jax.vmap(lambda p: internal_nodes(p, spec.conditioned_nodes(depth)))(candidates.parents)
+    tokens, depths, ancestors = subtree(candidates, nodes, real)
+    logits = drafter.propose_tree(drafter_params, state, params, cache, tokens, depths, ancestors)
+    return nodes, real, jax.nn.log_softmax(logits / spec.tree_temperature, axis=-1)
+
+
+def select_trees(candidates: Tree, nodes: jax.Array, real: jax.Array, cond_logps: jax.Array, *, spec: SpecConfig,
+                 depth: int) -> Tree:
+    """The verified trees: spec.budget nodes of each candidate tree (and its offered children) by
+    path-conditioned score (`tree.select_conditioned`)."""
+    return jax.vmap(lambda t, n, r, lp: select_conditioned(t, n, r, lp, spec.budget, spec.extend_width, depth))(
+        candidates, nodes, real, cond_logps)
 
 
 def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array,

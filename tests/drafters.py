@@ -43,6 +43,17 @@ class TargetGreedyDrafter:
             token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         return self.sharpness * jnp.stack(logits_per_depth, axis=1)
 
+    def propose_tree(self, params, state, target_params, cache, tokens, depths, ancestors):
+        """jetspec-tc's second pass: the target's own next-token logits at every tree node given its
+        path (one forward over the tree, as verification runs it), on a copy of the cache with room
+        for the tree."""
+        room = tokens.shape[1]
+        scratch = cache._replace(k=tuple(jnp.pad(k, ((0, 0), (0, room), (0, 0), (0, 0))) for k in cache.k),
+                                 v=tuple(jnp.pad(v, ((0, 0), (0, room), (0, 0), (0, 0))) for v in cache.v))
+        logits, _, _ = qwen3.forward(target_params, tokens, cache.lengths[:, None] + depths, scratch,
+                                     self.target_cfg, mask=ancestors)
+        return self.sharpness * logits
+
 
 def random_head(target_cfg, key, *, attention="causal", num_layers=1, block_size=8, dtype=jnp.float32):
     from jetspec_jax.models import draft_head

@@ -52,6 +52,10 @@ def test_generate_speculative_equals_ar_on_embedded_model(embedded_target):
         generate(prompts, embedded_target, method="jetspec")
     with pytest.raises(ValueError, match="expects a causal head, but this head is bidirectional"):
         generate(prompts, embedded_target, method="jetspec", head=head)
+    with pytest.raises(ValueError, match="'jetspec-tc' expects a causal head, but this head is bidirectional"):
+        generate(prompts, embedded_target, method="jetspec-tc", head=head)
+    with pytest.raises(ValueError, match="is not one of .*'jetspec-tc'"):
+        generate(prompts, embedded_target, method="jetspec-tree", head=head)
 
 
 def test_cli_default_is_jetspec_with_the_shipped_head(capsys):
@@ -74,12 +78,23 @@ def test_cli_without_a_trained_head_warns(capsys, monkeypatch):
     assert "untrained head" in err and "tau" in err and "ddtree" in err
 
 
-@pytest.mark.parametrize("method,budgets", [("jetspec", (16, 64)), ("ddtree", (64,)), ("dflash", (16,))])
+def test_cli_rejects_tree_causal_settings_before_loading(capsys):
+    assert main(["hi", "--method", "jetspec", "--candidate-budget", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "only apply to jetspec-tc" in err
+    assert main(["hi", "--method", "jetspec-tc", "--budget", "32", "--candidate-budget", "16"]) == 2
+    assert "candidate_budget (16) must be >= budget (32)" in capsys.readouterr().err
+    assert main(["hi", "--method", "jetspec-tc", "--budget", "1"]) == 2
+    assert "needs budget >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method,budgets", [("jetspec", (16, 64)), ("ddtree", (64,)), ("dflash", (16,)),
+                                            pytest.param("jetspec-tc", (16, 64), marks=pytest.mark.slow)])
 def test_shipped_heads_are_lossless_and_accept(embedded_target, method, budgets):
     """The trained heads on unseen GSM8K-style questions: token-identical to AR in fp32, tau well above 1."""
     from jetspec_jax.loading.head_checkpoint import packaged_head_path
 
-    path = packaged_head_path(embedded_target, method)
+    path = packaged_head_path(embedded_target, method)  # jetspec-tc: the JetSpec head, as it was trained
     assert path is not None
     head = load_head(path, jnp.float32)
     prompts = ["A farmer has 12 cows and buys 7 more. Then he sells 5. How many cows does he have?",

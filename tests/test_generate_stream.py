@@ -63,7 +63,9 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.parametrize("method", [["--method", "ar"],
                                     ["--method", "jetspec", "--budget", "8", "--width", "3", "--max-depth", "3",
-                                     "--tree-temperature", "0.7"]], ids=["ar", "jetspec"])
+                                     "--tree-temperature", "0.7"],
+                                    ["--method", "jetspec-tc", "--budget", "8", "--width", "3", "--max-depth", "3"]],
+                         ids=["ar", "jetspec", "jetspec-tc"])
 def test_a_terminal_streams_what_the_batch_prints(tiny_model, monkeypatch, capsys, method):
     """stdout a terminal: the answers stream, one chunk of steps at a time; a pipe: one batch. At T=0 the
     two outputs are the same bytes, and both report tokens/s and compile time."""
@@ -90,6 +92,9 @@ def test_stream_with_a_setting_the_engine_lacks_is_one_error_line(capsys):
     assert main(["hi", "--stream", "--gemm-backend", "cublas"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "--gemm-backend cublas" in err
+    assert main(["hi", "--stream", "--method", "jetspec-tc", "--candidate-budget", "256"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "--candidate-budget 256" in err
 
 
 def test_streamed_answers_equal_the_batch_on_the_embedded_model(embedded_target, monkeypatch, capsys):

@@ -11,8 +11,8 @@ from drafters import TargetGreedyDrafter, random_head
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
 from jetspec_jax.generate import pad_prompts
-from jetspec_jax.speculative import (SpecConfig, jitted_generate, mean_accepted_length, speculative_cache_rows,
-                                     speculative_generate)
+from jetspec_jax.speculative import (ATTENTION_OF_METHOD, SpecConfig, jitted_generate, mean_accepted_length,
+                                     speculative_cache_rows, speculative_generate)
 
 PROMPTS = [[5, 12, 40], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [90, 3], [33, 34, 35, 36, 37]]
 
@@ -33,26 +33,30 @@ def run_spec(target, drafter, drafter_params, prompts, gen, spec, key=0):
                                 cache_len=cache_len)
 
 
-@pytest.mark.parametrize("method,budget,width", [("jetspec", 1, 4), ("jetspec", 5, 2), ("jetspec", 24, 4),
-                                                 ("ddtree", 16, 3), ("dflash", 8, 7)])
-def test_random_head_is_lossless_at_t0(tiny_qwen3, method, budget, width):
+@pytest.mark.parametrize("method,budget,width,batch,settings", [
+    ("jetspec", 1, 4, 4, {}), ("jetspec", 5, 2, 4, {}), ("jetspec", 24, 4, 4, {}), ("ddtree", 16, 3, 4, {}),
+    ("dflash", 8, 7, 4, {}), ("jetspec-tc", 2, 1, 4, {}), ("jetspec-tc", 8, 3, 3, {}), ("jetspec-tc", 24, 4, 4, {}),
+    ("jetspec-tc", 16, 7, 1, dict(candidate_budget=16, conditioned_width=0)),
+    ("jetspec-tc", 12, 2, 2, dict(candidate_budget=48, conditioned_width=5))])
+def test_random_head_is_lossless_at_t0(tiny_qwen3, method, budget, width, batch, settings):
     target, _ = tiny_qwen3
     gen = GenerationConfig(max_new_tokens=24)
-    attention = "causal" if method == "jetspec" else "bidirectional"
-    drafter, head = random_head(target.cfg, jax.random.key(1), attention=attention)
-    want, want_n = run_ar(target, PROMPTS, gen)
-    out = run_spec(target, drafter, head, PROMPTS, gen, SpecConfig(method, budget, width))
+    drafter, head = random_head(target.cfg, jax.random.key(1), attention=ATTENTION_OF_METHOD[method])
+    want, want_n = run_ar(target, PROMPTS[:batch], gen)
+    out = run_spec(target, drafter, head, PROMPTS[:batch], gen, SpecConfig(method, budget, width, **settings))
     np.testing.assert_array_equal(np.asarray(out.num_tokens), want_n)
     np.testing.assert_array_equal(np.asarray(out.tokens), want)
 
 
-@pytest.mark.parametrize("budget,width,depth", [(7, 1, 6), (40, 3, 6), (32, 7, 4)])
-def test_good_drafter_is_lossless_and_accepts_to_the_depth_limit(tiny_qwen3, budget, width, depth):
+@pytest.mark.parametrize("method,budget,width,depth", [
+    ("jetspec", 7, 1, 6), ("jetspec", 40, 3, 6), ("jetspec", 32, 7, 4), ("jetspec-tc", 7, 1, 6),
+    ("jetspec-tc", 40, 3, 6), ("jetspec-tc", 16, 2, 4)])
+def test_good_drafter_is_lossless_and_accepts_to_the_depth_limit(tiny_qwen3, method, budget, width, depth):
     target, _ = tiny_qwen3
     gen = GenerationConfig(max_new_tokens=41)
     drafter = TargetGreedyDrafter(target.cfg, depth)
     want, _ = run_ar(target, PROMPTS, gen)
-    out = run_spec(target, drafter, None, PROMPTS, gen, SpecConfig("jetspec", budget, width))
+    out = run_spec(target, drafter, None, PROMPTS, gen, SpecConfig(method, budget, width))
     np.testing.assert_array_equal(np.asarray(out.tokens), want)
     # every step accepts all `depth` drafts (+ bonus) except possibly the last, cut by max_new_tokens
     steps = -(-40 // (depth + 1))
@@ -158,12 +162,14 @@ def chi_square_pvalue(counts, probs, min_expected=5.0):
     return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
+@pytest.mark.parametrize("method", ["jetspec", "jetspec-tc"])
 @pytest.mark.parametrize("drafter_kind,sampling_kwargs", [("greedy", dict(temperature=1.0)),
                                                           ("random", dict(temperature=0.7, top_p=0.9))])
-def test_sampling_follows_target_distribution(tiny_qwen3, drafter_kind, sampling_kwargs):
+def test_sampling_follows_target_distribution(tiny_qwen3, drafter_kind, sampling_kwargs, method):
     """The first three tokens of 4000 speculative samples against the exact target distribution.
     Each p-value is compared with 1e-3; with two tests per case the false-alarm rate for a random
-    seed is at most 0.2% per case (the seed is fixed, so the test is deterministic)."""
+    seed is at most 0.2% per case (the seed is fixed, so the test is deterministic). jetspec-tc's
+    trees differ per branch (its second pass), which acceptance must not notice."""
     from jetspec_jax.sampling import SamplingConfig
 
     target, _ = tiny_qwen3
@@ -175,7 +181,7 @@ def test_sampling_follows_target_distribution(tiny_qwen3, drafter_kind, sampling
     else:
         drafter, params = random_head(target.cfg, jax.random.key(5))
     n = 4000
-    out = run_spec(target, drafter, params, [prompt] * n, gen, SpecConfig("jetspec", 12, 3), key=11)
+    out = run_spec(target, drafter, params, [prompt] * n, gen, SpecConfig(method, 12, 3), key=11)
     tokens = np.asarray(out.tokens)
     assert (np.asarray(out.num_tokens) == 3).all()
     if drafter_kind == "greedy":  # the drafts were really used: some steps accepted two tokens
@@ -271,6 +277,18 @@ def test_bad_speculative_settings(tiny_qwen3):
         SpecConfig("jetspec", budget=8, max_depth=20).depth(15)
     with pytest.raises(ValueError, match="method"):
         SpecConfig("medusa")
+    with pytest.raises(ValueError, match="method 'jetspec-tree' is not one of .*'jetspec-tc'"):
+        SpecConfig("jetspec-tree")
+    with pytest.raises(ValueError, match="method 'jetspec-tc' needs budget >= 2"):
+        SpecConfig("jetspec-tc", budget=1)
+    with pytest.raises(ValueError, match=r"candidate_budget \(16\) must be >= budget \(32\)"):
+        SpecConfig("jetspec-tc", budget=32, candidate_budget=16)
+    with pytest.raises(ValueError, match="conditioned_width must be >= 0, got -1"):
+        SpecConfig("jetspec-tc", budget=32, conditioned_width=-1)
+    with pytest.raises(ValueError, match="candidate_budget and conditioned_width only apply to jetspec-tc, not "
+                                         "to method 'jetspec'"):
+        SpecConfig("jetspec", budget=32, candidate_budget=64, conditioned_width=2)
+    assert SpecConfig("jetspec-tc", budget=32).candidates == 128 and SpecConfig("jetspec-tc", width=5).extend_width == 5
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="tree_temperature must be a positive number"):
             SpecConfig("jetspec", tree_temperature=bad)

@@ -6,6 +6,11 @@ every head layer turns it into extra keys/values with its own k/v projections, a
 issue queries. The head shares the target's embedding and LM head and owns neither. Slot i > 0
 predicts the token i positions after the anchor, so one pass gives one distribution per depth.
 
+The same layers run any block of slots (`block_hidden`): mask embeddings or real tokens, at positions
+context length + depth, under any per-sequence block mask. `tree_logits` is the tree-causal pass
+(jetspec-tc): every node of a drafted tree sees only its own ancestors, and gets its children's
+distribution conditioned on its path.
+
 Context keys/values are cached per sequence (`DraftContext`) and extended as tokens are committed;
 block slots are never cached.
 """
@@ -24,6 +29,7 @@ from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
 from jetspec_jax.kv_cache import write_block
 from jetspec_jax.models import qwen3
 from jetspec_jax.models.params import ParamSpec
+from jetspec_jax.tree import ancestor_mask, tree_causal_block
 
 ATTENTION_PATTERNS = ("causal", "bidirectional")
 
@@ -245,6 +251,44 @@ def block_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any]
     return jnp.concatenate([anchor_x, masks], axis=1)
 
 
+def slot_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any], tokens: jax.Array,
+                    is_mask: jax.Array, cfg: DraftConfig) -> jax.Array:
+    """Block slots (B, T) embedded with the target's table, the mask embedding where is_mask: (B, T, D)."""
+    embed = target_params["embed"]
+    mask_vec = params["mask_embed"] if cfg.mask_token_id is None else embed[cfg.mask_token_id]
+    return jnp.where(is_mask[..., None], mask_vec.astype(embed.dtype), embed[tokens])
+
+
+def block_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, block_mask: jax.Array,
+                 ctx: DraftContext, cfg: DraftConfig, attention_impl: str = "xla") -> jax.Array:
+    """The head's layers over block slots x (B, T, D) at positions ctx.lengths + depths (B, T): every
+    slot sees the committed context and the slots block_mask (B, T, T) allows. attention_impl "xla": a
+    dense mask over [context ; block]; otherwise a tree_attention implementation ("pallas",
+    "pallas_interpret"), which needs T rows free past every ctx.lengths. Returns (B, T, D)."""
+    b, t = x.shape[:2]
+    positions = ctx.lengths[:, None] + depths
+    cos, sin = qwen3.rope_tables(positions, qwen3.rope_inverse_frequencies(cfg.layer_config()))
+    block_mask = jnp.broadcast_to(block_mask.astype(bool), (b, t, t))
+    if attention_impl != "xla":
+        words = pack_tree_mask(block_mask)
+        for i, layer in enumerate(params["layers"]):
+            x = head_layer_tree_attention(x, layer, ctx.k[i], ctx.v[i], ctx.lengths, words, cos, sin, cfg,
+                                          attention_impl)
+        return x
+    ctx_len = ctx.k[0].shape[1]
+    ctx_visible = jnp.arange(ctx_len)[None, :] < ctx.lengths[:, None]  # (B, C)
+    mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, t, ctx_len)), block_mask], axis=2)
+    for i, layer in enumerate(params["layers"]):
+        x = head_layer(x, layer, ctx.k[i], ctx.v[i], mask, cos, sin, cfg)
+    return x
+
+
+def slot_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
+                hidden: jax.Array, cfg: DraftConfig) -> jax.Array:
+    """Final norm and the target's LM head on block slots' hidden states: fp32 logits (..., V)."""
+    return qwen3.lm_logits(target_params, qwen3.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps), target_cfg)
+
+
 def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
                  anchor: jax.Array, ctx: DraftContext, cfg: DraftConfig, *,
                  block_mask: jax.Array | None = None, num_depths: int | None = None,
@@ -253,38 +297,34 @@ def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], ta
 
     Returns fp32 logits (B, num_depths, V) for depths 1..num_depths (default block-1).
     block_mask (block, block) or (B, block, block) overrides the configured attention pattern.
-    attention_impl "xla": a dense mask over [context ; block]; otherwise a tree_attention
-    implementation ("pallas", "pallas_interpret"), which needs block_size rows free past every
-    ctx.lengths (`HeadDrafter` allocates them).
+    attention_impl as `block_hidden` (`HeadDrafter` allocates the rows the kernel path needs).
     """
-    b = anchor.shape[0]
     x = block_embeddings(params, target_params, anchor, cfg)
-    positions = ctx.lengths[:, None] + jnp.arange(cfg.block_size, dtype=jnp.int32)[None]
-    cos, sin = qwen3.rope_tables(positions, qwen3.rope_inverse_frequencies(cfg.layer_config()))
+    depths = jnp.broadcast_to(jnp.arange(cfg.block_size, dtype=jnp.int32), x.shape[:2])
     if block_mask is None:
         block_mask = jnp.asarray(cfg.block_mask())
-    block_mask = jnp.broadcast_to(block_mask.astype(bool), (b, cfg.block_size, cfg.block_size))
-    if attention_impl != "xla":
-        words = pack_tree_mask(block_mask)
-        for i, layer in enumerate(params["layers"]):
-            x = head_layer_tree_attention(x, layer, ctx.k[i], ctx.v[i], ctx.lengths, words, cos, sin, cfg,
-                                          attention_impl)
-        return _depth_logits(params, target_params, target_cfg, x, cfg, num_depths)
-    ctx_len = ctx.k[0].shape[1]
-    ctx_visible = jnp.arange(ctx_len)[None, :] < ctx.lengths[:, None]  # (B, C)
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(ctx_visible[:, None, :], (b, cfg.block_size, ctx_len)), block_mask], axis=2)
-    for i, layer in enumerate(params["layers"]):
-        x = head_layer(x, layer, ctx.k[i], ctx.v[i], mask, cos, sin, cfg)
-    return _depth_logits(params, target_params, target_cfg, x, cfg, num_depths)
+    x = block_hidden(params, x, depths, block_mask, ctx, cfg, attention_impl)
+    num_depths = cfg.max_depth if num_depths is None else num_depths
+    return slot_logits(params, target_params, target_cfg, x[:, 1: num_depths + 1], cfg)
 
 
-def _depth_logits(params, target_params, target_cfg: qwen3.Config, x: jax.Array, cfg: DraftConfig,
-                  num_depths: int | None) -> jax.Array:
-    """Final norm and the target's LM head on block slots 1..num_depths (default block-1)."""
-    depths = cfg.max_depth if num_depths is None else num_depths
-    hidden = qwen3.rms_norm(x[:, 1: depths + 1], params["final_norm"], cfg.rms_norm_eps)
-    return qwen3.lm_logits(target_params, hidden, target_cfg)
+def tree_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
+                tokens: jax.Array, depths: jax.Array, ancestors: jax.Array, ctx: DraftContext, cfg: DraftConfig, *,
+                attention_impl: str = "xla") -> jax.Array:
+    """The tree-causal head pass: for every node of a token tree, the head's distribution of its
+    children given the path from the anchor to it (`tree.tree_causal_block`: a node slot and a query
+    slot per node, each seeing only the node's own ancestors, never siblings or descendants).
+
+    tokens / depths (B, N), ancestors (B, N, N) with node 0 the anchor (the newest committed token) at
+    depth 0. Returns fp32 logits (B, N, V); row i equals the last slot of the plain causal block
+    [anchor, path tokens..., MASK] run alone, so a causal JetSpec head's weights serve as they are.
+    2N slots: attention_impl other than "xla" needs 2N rows free past every ctx.lengths.
+    """
+    n = tokens.shape[1]
+    block = tree_causal_block(tokens, depths, ancestors)
+    x = slot_embeddings(params, target_params, block.tokens, block.is_query, cfg)
+    x = block_hidden(params, x, block.depths, block.mask, ctx, cfg, attention_impl)
+    return slot_logits(params, target_params, target_cfg, x[:, n:], cfg)
 
 
 # The training path's context scores (rows x heads x block queries x context keys, fp32) per anchor
@@ -355,18 +395,52 @@ def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any],
     Memory is linear in S and K: the context attention runs over chunks of `anchors_per_chunk`
     anchors (default: TRAINING_SCORES_PER_CHUNK context scores per chunk over the batch and heads).
     """
-    b, s = tokens.shape
-    k, blk = anchors.shape[1], cfg.block_size
+    blk = cfg.block_size
+    anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)  # (B, K)
+    x = jax.vmap(lambda a: block_embeddings(params, target_params, a, cfg), in_axes=1, out_axes=1)(anchor_tokens)
+    hidden = anchored_blocks_hidden(params, x, jnp.arange(blk, dtype=jnp.int32), jnp.asarray(cfg.block_mask()),
+                                    taps, anchors, cfg, anchors_per_chunk)
+    return slot_logits(params, target_params, target_cfg, hidden[:, :, 1:], cfg)
+
+
+def training_tree_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
+                         tokens: jax.Array, taps: jax.Array, anchors: jax.Array, cfg: DraftConfig, *,
+                         anchors_per_chunk: int | None = None) -> jax.Array:
+    """The tree-causal pass (`tree_logits`) teacher-forced along the data, K anchors per sequence at once.
+
+    Block k is the chain tokens[a_k .. a_k+D-1] (D = block-1) as a tree: a node slot per token and a
+    query slot per node (`tree.tree_causal_block` of a chain, 2D slots, one mask for every block), seeing
+    the context of positions < a_k. Query slot j gives the head's distribution of the token at a_k+j+1
+    given the true tokens up to a_k+j: fp32 logits (B, K, D, V), the layout of `training_logits`, so its
+    labels and teacher logits (depth j+1 after a_k) serve as they are. Tokens past the sequence are
+    clipped to its last (their depths are invalid anyway)."""
+    s = tokens.shape[1]
+    depth = cfg.max_depth
+    chain = jnp.arange(depth, dtype=jnp.int32)
+    block = tree_causal_block(jnp.zeros_like(chain), chain, ancestor_mask(chain - 1, depth))  # layout only
+    positions = jnp.minimum(anchors[:, :, None] + chain, s - 1)  # (B, K, D)
+    node_tokens = jnp.take_along_axis(tokens, positions.reshape(tokens.shape[0], -1), axis=1).reshape(positions.shape)
+    slot_tokens = jnp.concatenate([node_tokens, jnp.zeros_like(node_tokens)], axis=-1)
+    x = slot_embeddings(params, target_params, slot_tokens, jnp.broadcast_to(block.is_query, slot_tokens.shape), cfg)
+    hidden = anchored_blocks_hidden(params, x, block.depths, block.mask, taps, anchors, cfg, anchors_per_chunk)
+    return slot_logits(params, target_params, target_cfg, hidden[:, :, depth:], cfg)
+
+
+def anchored_blocks_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, block_mask: jax.Array,
+                           taps: jax.Array, anchors: jax.Array, cfg: DraftConfig,
+                           anchors_per_chunk: int | None = None) -> jax.Array:
+    """The head's layers over K blocks per sequence at once: x (B, K, T, D) embedded slots, block j's slot
+    i at position anchors[j] + depths[i], seeing the context of positions < anchors[j] (the fused taps
+    of the whole sequence) and the slots of its own block that block_mask (T, T) allows. -> (B, K, T, D)."""
+    b, k, blk = x.shape[:3]
+    s = taps.shape[1]
     layer_cfg = cfg.layer_config()
     inv_freq = qwen3.rope_inverse_frequencies(layer_cfg)
     fused = fuse_taps(params, taps, cfg)
     ctx_cos, ctx_sin = qwen3.rope_tables(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), inv_freq)
-    anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)  # (B, K)
-    x = jax.vmap(lambda a: block_embeddings(params, target_params, a, cfg), in_axes=1, out_axes=1)(anchor_tokens)
     x = x.reshape(b, k * blk, -1)
-    positions = (anchors[:, :, None] + jnp.arange(blk, dtype=jnp.int32)).reshape(b, k * blk)
+    positions = (anchors[:, :, None] + depths).reshape(b, k * blk)
     cos, sin = qwen3.rope_tables(positions, inv_freq)
-    block_mask = jnp.asarray(cfg.block_mask())
     if anchors_per_chunk is None:
         anchors_per_chunk = max(1, TRAINING_SCORES_PER_CHUNK // (b * cfg.num_heads * blk * s))
     for layer in params["layers"]:
@@ -377,5 +451,4 @@ def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any],
                                                 per_block(bv).astype(ctx_v.dtype), ctx_k, ctx_v, anchors,
                                                 block_mask, anchors_per_chunk)
         x = qwen3.finish_layer(x, attn.reshape(b, k * blk, *attn.shape[3:]).astype(q.dtype), layer, layer_cfg, 0)
-    hidden = qwen3.rms_norm(x.reshape(b, k, blk, -1)[:, :, 1:], params["final_norm"], cfg.rms_norm_eps)
-    return qwen3.lm_logits(target_params, hidden, target_cfg)
+    return x.reshape(b, k, blk, -1)
