@@ -84,6 +84,18 @@ def drawn_answers(stream, steps: int) -> list[int]:
     return [int(i) for step in range(steps) for i in stream.indices[step][1]]
 
 
+def record_step_states(monkeypatch) -> list:
+    """The state each training step starts from, appended as the steps run."""
+    states, train_step = [], Trainer.train_step
+
+    def recording_step(self, state, batch):
+        states.append(jax.device_get(state))
+        return train_step(self, state, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    return states
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses
 
@@ -344,14 +356,7 @@ def test_a_run_warm_started_from_an_exported_head_begins_at_its_weights(tiny_tar
     train(tiny_config(tmp_path / "a", f"run.export_head={head_dir}", "run.max_steps=4"), tiny_target, corpus,
           mesh=one_device())
     _, exported = load_head(str(head_dir), jnp.float32)  # the run's fp32 weights rounded to bf16
-    states = []  # the state each step starts from
-    train_step = Trainer.train_step
-
-    def recording_step(self, state, batch):
-        states.append(jax.device_get(state))
-        return train_step(self, state, batch)
-
-    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    states = record_step_states(monkeypatch)
     cfg = tiny_config(tmp_path / "b", f"head.init_from={head_dir}", "run.max_steps=2")
     assert cfg.fingerprint() != tiny_config(tmp_path / "b", "run.max_steps=2").fingerprint()
     summary = train(cfg, tiny_target, corpus, mesh=one_device())
@@ -485,14 +490,7 @@ def test_each_head_of_a_pair_warm_starts_from_its_own_export(tiny_target, corpus
     head_dir = tmp_path / "head"
     save_head(str(head_dir), causal.head_cfg, causal.init_state(5)["params"], target=tiny_target)
     _, exported = load_head(str(head_dir), jnp.float32)
-    states = []  # the state each step starts from
-    train_step = Trainer.train_step
-
-    def recording_step(self, state, batch):
-        states.append(jax.device_get(state))
-        return train_step(self, state, batch)
-
-    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    states = record_step_states(monkeypatch)
     cfg = tiny_config(tmp_path / "run", *PAIR, f'head.init_from=["{head_dir}", ""]', "run.max_steps=1",
                       "run.eval_answers_per_kind=0")
     summary = train(cfg, tiny_target, corpus, mesh=one_device())
