@@ -106,6 +106,12 @@ def batch_token_counts(batch) -> dict[str, jax.Array]:
     return {"real_tokens": jnp.sum(batch["length"]), "answer_tokens": jnp.sum(batch["length"] - batch["prompt_len"])}
 
 
+def apply_gradients(params, opt_state, grads, optim: OptimConfig):
+    """One head's AdamW update (its own clipping): (new params, new optimizer state)."""
+    updates, opt_state = make_optimizer(optim).update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
 # Jitted once per process for each set of static settings (hashable configs), so trainers built for
 # the same config (a resumed run, a benchmark's layouts) reuse the compiled programs.
 STATIC = ("optim", "loss_cfg", "head_cfg", "target_cfg", "dtype")
@@ -117,8 +123,7 @@ def train_step(state, target_params, batch, *, optim: OptimConfig, loss_cfg: Los
     loss_fn = functools.partial(forward_and_loss, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg,
                                 dtype=dtype)
     (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
-    updates, opt_state = make_optimizer(optim).update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    params, opt_state = apply_gradients(state["params"], state["opt_state"], grads, optim)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **batch_token_counts(batch)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
@@ -143,9 +148,8 @@ def train_step_heads(state, target_params, batch, *, optim: OptimConfig, loss_cf
                                     dtype=dtype)
         (losses[name], _), grads = jax.value_and_grad(loss_fn, has_aux=True)(head_params, target_params, batch,
                                                                              targets)
-        updates, opt_state[name] = make_optimizer(optim).update(grads, state["opt_state"][name],
-                                                                state["params"][name])
-        params[name] = optax.apply_updates(state["params"][name], updates)
+        params[name], opt_state[name] = apply_gradients(state["params"][name], state["opt_state"][name], grads,
+                                                        optim)
         grad_norms[name], previous = optax.tree.norm(grads), grads
     metrics = {"loss": losses, "grad_norm": grad_norms, **batch_token_counts(batch)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
