@@ -20,7 +20,7 @@ from jetspec_jax.train.corpus import Answers, Corpus, CorpusWriter
 from jetspec_jax.train.data import MODEL_INPUTS, batch_iterator, fit_to_row, heldout_batches, training_stream
 from jetspec_jax.train.loss import acceptance_stats, depth_weights, draft_loss, per_row_stats, pooled_stats
 from jetspec_jax.train.mixture import is_heldout
-from jetspec_jax.train.trainer import Trainer, forward_and_loss, train
+from jetspec_jax.train.trainer import Trainer, forward_and_loss, teacher_targets, train
 
 # source, kind, prompts kept for training, (min, max) prompt tokens, (min, max) answer tokens, answers per prompt
 CORPUS = [("gsm8k", "math", 40, (8, 24), (4, 30), 1),
@@ -285,6 +285,46 @@ def test_gradients_do_not_reach_the_target(tiny_target, corpus, tmp_path):
     head_grads, target_grads = jax.jit(jax.grad(loss_fn, argnums=(0, 1)))(state["params"], trainer.target_params)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(target_grads))
     assert float(jnp.abs(head_grads["fc"]).max()) > 0
+
+
+def test_the_tree_causal_loss_trains_the_causal_heads_tree_pass_and_is_measured_per_kind(tiny_target, corpus,
+                                                                                         tmp_path):
+    """loss.tree_causal_weight: a causal head's loss adds that weight x the same loss of its tree-causal pass
+    along the data, the held-out numbers gain the tree pass's per kind, and a pair's bidirectional head
+    trains as it would without it."""
+    from jetspec_jax.train.config import HEAD_NAMES
+
+    cfg = tiny_config(tmp_path, "loss.tree_causal_weight=0.5")
+    trainer = Trainer(cfg, tiny_target, one_device())
+    params = trainer.init_state(0)["params"]
+    batch = training_stream(corpus.answers("train"), cfg.buckets(), mixture={}, seed=0).dataset[0]
+    batch = {k: jnp.asarray(batch[k]) for k in MODEL_INPUTS}
+    loss, (block, teacher_logits, labels, valid, tree) = forward_and_loss(
+        params, tiny_target.params, batch, loss_cfg=cfg.loss, head_cfg=trainer.head_cfg, target_cfg=tiny_target.cfg,
+        dtype=jnp.float32)
+    taps = teacher_targets(tiny_target.params, batch, head_cfg=trainer.head_cfg, target_cfg=tiny_target.cfg)[3]
+    want_tree = draft_head.training_tree_logits(params, tiny_target.params, tiny_target.cfg, batch["tokens"], taps,
+                                                batch["anchors"], trainer.head_cfg)
+    np.testing.assert_allclose(tree, want_tree, rtol=1e-5, atol=1e-5)
+    want = draft_loss(block, teacher_logits, labels, valid) + 0.5 * draft_loss(want_tree, teacher_logits, labels, valid)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    heldout = trainer.evaluate(params, heldout_batches(corpus.answers("heldout"), cfg.buckets(), per_kind=4, seed=0))
+    for numbers in [heldout, *heldout["eval_by_kind"].values()]:
+        tree_numbers = {k.removeprefix("eval_") for k in numbers if "tree_" in k}
+        assert tree_numbers == {"tree_loss", "tree_expected_tau", "tree_accept_per_depth"}, numbers
+    assert heldout["eval_tree_expected_tau"] >= 1 and len(heldout["eval_tree_accept_per_depth"]) == labels.shape[-1]
+    np.testing.assert_allclose(heldout["eval_by_kind"]["math"]["tree_accept_per_depth"][0],
+                               heldout["eval_by_kind"]["math"]["accept_per_depth"][0])  # depth 1 sees the anchor alone
+
+    pair = tiny_config(tmp_path, *PAIR, "loss.tree_causal_weight=0.5")
+    assert [c.loss.tree_causal_weight for c in pair.single_heads().values()] == [0.5, 0.0]
+    assert pair.single_heads()[HEAD_NAMES["bidirectional"]].fingerprint() == tiny_config(
+        tmp_path, *PAIR[1:], "head.attention=bidirectional").fingerprint()
+    with pytest.raises(ValueError, match="loss.tree_causal_weight=0.5 trains a causal head's tree-causal pass "
+                                         "\\(jetspec-tc\\), which head.attention='bidirectional' has none of"):
+        load_config("tiny-cpu", ["loss.tree_causal_weight=0.5", "head.attention=bidirectional"])
+    with pytest.raises(ValueError, match="loss.tree_causal_weight must be >= 0"):
+        load_config("tiny-cpu", ["loss.tree_causal_weight=-1"])
 
 
 # ---------------------------------------------------------------------------------------------

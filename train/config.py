@@ -80,6 +80,14 @@ class LossConfig:
     kind: str = "fkl"  # fkl | ce | rkl
     temperature: float = 1.0  # T_KD
     gamma: float = 0.0  # per-depth decay exp(-(k-1)/gamma); 0 = uniform
+    # > 0: a causal head also learns jetspec-tc's tree-causal pass, each depth conditioned on the real tokens
+    # before it (draft_head.training_tree_logits): loss = block loss + this x that pass's loss. Bidirectional
+    # heads have no such pass and train without it.
+    tree_causal_weight: float = 0.0
+
+    def for_attention(self, attention: str) -> "LossConfig":
+        """The loss a head of that attention trains with (a bidirectional head has no tree-causal pass)."""
+        return self if attention == "causal" else dataclasses.replace(self, tree_causal_weight=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +139,8 @@ class TrainConfig:
         shape = {k: v for k, v in dataclasses.asdict(self).items() if k != "run"}
         if not self.head.init_from:  # runs from random weights keep the fingerprint they had before it existed
             del shape["head"]["init_from"]
+        if not self.loss.tree_causal_weight:  # likewise runs without the tree-causal loss
+            del shape["loss"]["tree_causal_weight"]
         shape["data"] = {k: v for k, v in shape["data"].items()
                          if k not in ("data_dir", "regen_dir") and not k.startswith("regen_")}
         shape["seed"] = self.run.seed
@@ -147,13 +157,14 @@ class TrainConfig:
 
     def single_heads(self) -> dict[str, "TrainConfig"]:
         """Each head's name (HEAD_NAMES) and the config that trains it alone: this config, or for a list of
-        head.attention kinds, this one with that head's attention, head.init_from and run.export_head."""
+        head.attention kinds, this one with that head's attention, head.init_from, run.export_head and loss."""
         if not self.is_pair:
             return {HEAD_NAMES[self.head.attention]: self}
         n = len(self.head.attention)
         init_from, export_head = self.head.init_from or [""] * n, self.run.export_head or [""] * n
         return {HEAD_NAMES[attention]: dataclasses.replace(
                     self, head=dataclasses.replace(self.head, attention=attention, init_from=init),
+                    loss=self.loss.for_attention(attention),
                     run=dataclasses.replace(self.run, export_head=export))
                 for attention, init, export in zip(self.head.attention, init_from, export_head)}
 
@@ -195,6 +206,7 @@ LIMITS = {
     "head.num_layers": _at_least(1), "head.block_size": _at_least(2), "head.num_taps": _at_least(1),
     "head.attention": _one_of("causal", "bidirectional"), "head.intermediate_size": _at_least(0),
     "loss.kind": _one_of("fkl", "ce", "rkl"), "loss.temperature": _POSITIVE, "loss.gamma": _at_least(0),
+    "loss.tree_causal_weight": _at_least(0),
     "optim.learning_rate": _POSITIVE, "optim.warmup_steps": _at_least(0), "optim.total_steps": _at_least(1),
     "optim.weight_decay": _at_least(0), "optim.clip_norm": _POSITIVE, "optim.tokens_per_batch": _at_least(2),
     "optim.b1": _FRACTION, "optim.b2": _FRACTION,
@@ -249,9 +261,12 @@ def _head_problems(cfg: TrainConfig) -> list[str]:
     attention = cfg.head.attention
     per_head = {"head.init_from": cfg.head.init_from, "run.export_head": cfg.run.export_head}
     if not isinstance(attention, list):
-        return [f"{name}={value!r} is a list, but head.attention={attention!r} names one head: give one "
-                f"directory (a list goes with a list of head.attention kinds)"
-                for name, value in per_head.items() if isinstance(value, list)]
+        problems = [] if attention == "causal" or not cfg.loss.tree_causal_weight else [
+            f"loss.tree_causal_weight={cfg.loss.tree_causal_weight} trains a causal head's tree-causal pass "
+            f"(jetspec-tc), which head.attention={attention!r} has none of: set it to 0, or train a causal head"]
+        return problems + [f"{name}={value!r} is a list, but head.attention={attention!r} names one head: give "
+                           f"one directory (a list goes with a list of head.attention kinds)"
+                           for name, value in per_head.items() if isinstance(value, list)]
     kinds = ", ".join(HEAD_NAMES)
     if len(attention) < 2:
         return [f"head.attention={attention!r} lists {len(attention)} kind(s): a list trains several heads, "

@@ -83,18 +83,26 @@ def teacher_targets(target_params, batch, *, head_cfg, target_cfg: qwen3.Config)
 
 
 def student_loss(head_params, target_params, batch, targets, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
-    """One head's loss against `teacher_targets`: (loss, (student logits, teacher logits, labels, valid))."""
+    """One head's loss against `teacher_targets`: (loss, (student logits, teacher logits, labels, valid, tree
+    logits)). A causal head with loss.tree_causal_weight > 0 also learns the tree-causal pass along the data
+    (its logits have the block's layout and targets); for other heads the tree logits are None."""
     labels, valid, teacher_logits, taps = targets
     compute_params = jax.tree.map(lambda p: p.astype(dtype), head_params)
     student = draft_head.training_logits(compute_params, target_params, target_cfg, batch["tokens"], taps,
                                          batch["anchors"], head_cfg)
-    loss = draft_loss(student, teacher_logits, labels, valid, kind=loss_cfg.kind,
-                      temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
-    return loss, (student, teacher_logits, labels, valid)
+    loss_of = functools.partial(draft_loss, teacher_logits=teacher_logits, labels=labels, valid=valid,
+                                kind=loss_cfg.kind, temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
+    loss, tree = loss_of(student), None
+    tree_weight = loss_cfg.for_attention(head_cfg.attention).tree_causal_weight
+    if tree_weight:
+        tree = draft_head.training_tree_logits(compute_params, target_params, target_cfg, batch["tokens"], taps,
+                                               batch["anchors"], head_cfg)
+        loss = loss + tree_weight * loss_of(tree)
+    return loss, (student, teacher_logits, labels, valid, tree)
 
 
 def forward_and_loss(head_params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
-    """Returns (loss, (student logits, teacher logits, labels, valid)). Gradients flow to head_params only."""
+    """Returns `student_loss`'s (loss, aux) with the teacher computed here. Gradients flow to head_params only."""
     target_params = jax.lax.stop_gradient(target_params)  # the shared embedding / LM head stay frozen
     targets = teacher_targets(target_params, batch, head_cfg=head_cfg, target_cfg=target_cfg)
     return student_loss(head_params, target_params, batch, targets, loss_cfg=loss_cfg, head_cfg=head_cfg,
@@ -157,10 +165,15 @@ def train_step_heads(state, target_params, batch, *, optim: OptimConfig, loss_cf
 
 @functools.partial(jax.jit, static_argnames=STATIC[1:])
 def eval_stats(params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
-    _, (student, teacher_logits, labels, valid) = forward_and_loss(
+    """`per_row_stats` of the head's block pass, and of its tree-causal pass under "tree_" keys when it learns one."""
+    _, (student, teacher_logits, labels, valid, tree) = forward_and_loss(
         params, target_params, batch, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg, dtype=dtype)
-    return per_row_stats(student, teacher_logits, labels, valid, kind=loss_cfg.kind,
-                         temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
+    stats_of = functools.partial(per_row_stats, teacher_logits=teacher_logits, labels=labels, valid=valid,
+                                 kind=loss_cfg.kind, temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
+    stats = stats_of(student)
+    if tree is not None:
+        stats.update({f"tree_{k}": v for k, v in stats_of(tree).items()})
+    return stats
 
 
 # The [head] setting behind each DraftConfig field the config decides (the others follow the target).
@@ -312,13 +325,26 @@ class Trainer:
                     rows[k].append(np.asarray(v))
                 kinds.extend(batch["kind"].tolist())
         stats = {k: np.concatenate(v) for k, v in rows.items()}
+        tree = {k.removeprefix("tree_"): v for k, v in stats.items() if k.startswith("tree_")}
+        block = {k: v for k, v in stats.items() if not k.startswith("tree_")}
         kinds = np.asarray(kinds)
-        overall = pooled_stats(stats, kinds != "")
-        by_kind = {kind: {**pooled_stats(stats, kinds == kind), "answers": int(np.sum(kinds == kind))}
+
+        def pooled(rows):
+            """pooled_stats of the block pass, and the tree-causal pass's loss, chain tau and per-depth
+            acceptance when the head learns one (teacher-forced: each depth sees the true tokens before it)."""
+            out = pooled_stats(block, rows)
+            if tree:
+                tree_stats = pooled_stats(tree, rows)
+                out.update(tree_loss=tree_stats["loss"], tree_expected_tau=tree_stats["expected_tau"],
+                           tree_accept_per_depth=tree_stats["accept_per_depth"])
+            return out
+
+        overall = pooled(kinds != "")
+        by_kind = {kind: {**pooled(kinds == kind), "answers": int(np.sum(kinds == kind))}
                    for kind in sorted(set(kinds.tolist()) - {""})}
         return {"eval_loss": overall["loss"], "eval_expected_tau": overall["expected_tau"],
                 "eval_accept_per_depth": overall["accept_per_depth"], "eval_answers": int(np.sum(kinds != "")),
-                "eval_by_kind": by_kind}
+                **{f"eval_{k}": v for k, v in overall.items() if k.startswith("tree_")}, "eval_by_kind": by_kind}
 
 
 def corpus_fingerprint(corpus: Corpus) -> str:
