@@ -1,5 +1,6 @@
 """Results files: one JSON line per (benchmark, id, method, budget, temperature), appended and flushed
-as runs finish, plus a `<results>.meta.json` sidecar holding the settings, commands and environment."""
+as runs finish, plus a `<results>.meta.json` sidecar holding the settings (one batch size per file),
+commands and environment."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def read_meta(results_path: str) -> dict | None:
 
 
 # settings added after results files existed: an older file ran with these values
-SETTINGS_BEFORE_RECORDED = {"tree_temperature": 1.0, "gemm_backend": "xla"}
+SETTINGS_BEFORE_RECORDED = {"tree_temperature": 1.0, "gemm_backend": "xla", "batch": 1}
 
 
 def check_compatible(results_path: str, settings: dict, heads: dict[str, str | None]) -> None:
@@ -134,6 +135,14 @@ def check_compatible(results_path: str, settings: dict, heads: dict[str, str | N
         recorded["heads_label"] = lines[0]["heads_label"] if lines else settings.get("heads_label")
     changed = sorted(k for k in set(recorded) | set(settings) if recorded.get(k) != settings.get(k))
     changed += [f"{role} head" for role, sha in heads.items() if meta["heads"].get(role, sha) != sha]
+    if "batch" in changed:  # a batched run pointed at a batch-1 file (or back): say why and what to do
+        others = [k for k in changed if k != "batch"]
+        raise ValueError(f"{results_path} holds --batch {recorded['batch']} runs and this run is --batch "
+                         f"{settings.get('batch')}" + (f" (and other settings differ: {', '.join(others)})"
+                                                        if others else "")
+                         + ": a results file keeps one batch size, since the timings of two are not comparable; "
+                         "write this run to a new --results file (report takes both and keeps the batch sizes "
+                         "apart)")
     if changed:
         raise ValueError(f"{results_path} was made with different settings ({', '.join(changed)}); "
                          "resume with the same ones or write to a new --results file")

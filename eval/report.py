@@ -1,5 +1,5 @@
-"""Turns results files into report.md (tables per benchmark, method, budget, temperature and head set),
-report.json and speedup/tau-vs-budget plots."""
+"""Turns results files into report.md (tables per benchmark, method, budget, temperature, head set and
+batch size), report.json and speedup/tau-vs-budget plots."""
 
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ DEFINITIONS = """\
   in a sandboxed subprocess); MT-Bench and the held-out benchmarks (summarise, doc_qa, translate, open_qa)
   have no reference ("-"). **= AR** (T=0): every prompt scored as AR's did.
 - **prompt tokens**: per benchmark, with the chat template, over the prompts that ran.
-- **mismatches (T=0)**: prompts whose tokens differ from AR's, out of those compared."""
+- **mismatches (T=0)**: prompts whose tokens differ from AR's, out of those compared.
+- **batched runs** (`run --batch N`; their own tables): up to N prompts of one padded width in one
+  generation call. tau, acceptance, accuracy and mismatches are per prompt, as at batch 1. Their
+  **throughput speedup** is batch throughput, not latency: (generated - 1) tokens / decode seconds of
+  whole batches, a batch's seconds shared among its prompts, against AR run at the same batch size;
+  the latency speedup is the batch-1 tables' only."""
 
 
 def precision(line: dict) -> str:
@@ -44,16 +49,21 @@ def precision(line: dict) -> str:
     return line["dtype"] if matmul == "default" else f"{line['dtype']}/{matmul}"
 
 
+def batch(line: dict) -> int:
+    """The --batch of a line's run; lines of batch-1 runs (and older files) do not record it."""
+    return line.get("batch", 1)
+
+
 def load_results(paths: list[str]) -> tuple[list[dict], list[dict]]:
-    """(lines deduplicated by key, precision and head set, the later file winning; sidecar metas) of all
-    files."""
+    """(lines deduplicated by key, precision, head set and batch size, the later file winning; sidecar
+    metas) of all files."""
     by_key, metas = {}, []
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no results file at {path}")
         repeated = []
         for line in label_heads(read_lines(path)):
-            key = line_key(line) + (precision(line), line["heads_label"])
+            key = line_key(line) + (precision(line), line["heads_label"], batch(line))
             if key in by_key:
                 repeated.append(key)
             by_key[key] = line
@@ -95,23 +105,26 @@ def head_sets(lines: list[dict]) -> list[str]:
 
 
 def baseline_key(line: dict) -> tuple:
-    """The AR line a run is timed and scored against: the same prompt, temperature, precision and head
-    set, that is AR as measured in the same run."""
-    return line["benchmark"], line["id"], line["temperature"], precision(line), line["heads_label"]
+    """The AR line a run is timed and scored against: the same prompt, temperature, precision, head set
+    and batch size, that is AR as measured in the same run."""
+    return line["benchmark"], line["id"], line["temperature"], precision(line), line["heads_label"], batch(line)
 
 
 def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
-    """One dict per (benchmark, method, budget, temperature, precision, head set), ordered for reading.
-    Each head set's run measured its own AR, so a method's speedup is against the AR of its head set."""
+    """One dict per (benchmark, method, budget, temperature, precision, head set, batch size), ordered for
+    reading. Each head set's run measured its own AR, so a method's speedup is against the AR of its head
+    set (and batch size)."""
     valid = [line for line in label_heads(lines) if "error" not in line]
     ar = {baseline_key(r): r for r in valid if r["method"] == "ar"}
     groups = defaultdict(list)
     for r in valid:
-        key = (r["benchmark"], r["method"], r["budget"], r["temperature"], precision(r), r["heads_label"])
+        key = (r["benchmark"], r["method"], r["budget"], r["temperature"], precision(r), r["heads_label"],
+               batch(r))
         groups[key].append(r)
     out = []
-    for (bench, method, budget, temp, prec, label), rows in groups.items():
-        check_one_setup(rows, f"{bench} {method} B={budget} T={temp} {prec}, head set {label}")
+    for (bench, method, budget, temp, prec, label, size), rows in groups.items():
+        check_one_setup(rows, f"{bench} {method} B={budget} T={temp} {prec}, head set {label}"
+                              + (f", batch {size}" if size > 1 else ""))
         decoded = sum(map(decoded_tokens, rows))
         paired = [(r, ar[baseline_key(r)]) for r in rows if baseline_key(r) in ar]
         scored = [r["correct"] for r in rows if r.get("correct") is not None]
@@ -120,11 +133,10 @@ def group_metrics(lines: list[dict]) -> list[dict[str, Any]]:
         prompts = [r["prompt_tokens"] for r in rows if r.get("prompt_tokens") is not None]
         out.append({
             "benchmark": bench, "method": method, "budget": budget, "temperature": temp, "precision": prec,
-            "heads_label": label, "n": len(rows),
+            "heads_label": label, "batch": size, "n": len(rows),
             "tau": ratio(decoded, forwards) if method != "ar" else None,
-            "decode_tokens_per_second": ratio(decoded, sum(r["decode_seconds"] for r in rows)),
-            "speedup": per_token_ratio(paired, "decode_seconds", decoded_tokens),
-            "e2e_speedup": per_token_ratio(paired, "total_seconds", lambda r: r["num_generated"]),
+            "decode_tokens_per_second": ratio(decoded, sum(map(decode_seconds, rows))),
+            **speedups(paired, size),
             "mean_generated": sum(r["num_generated"] for r in rows) / len(rows),
             "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
             "max_prompt_tokens": max(prompts, default=None),
@@ -145,7 +157,8 @@ def reading_order(group: dict) -> tuple:
     benchmarks = list(BENCHMARKS)
     bench = benchmarks.index(group["benchmark"]) if group["benchmark"] in benchmarks else len(benchmarks)
     method = method_order(group["method"])
-    return bench, group["benchmark"], group["precision"], group["temperature"], method, group["budget"] or 0
+    return (bench, group["benchmark"], group["precision"], group["batch"], group["temperature"], method,
+            group["budget"] or 0)
 
 
 def method_order(method: str) -> int:
@@ -156,13 +169,38 @@ def decoded_tokens(line: dict) -> int:
     return max(line["num_generated"] - 1, 0)
 
 
-def per_token_ratio(paired: list[tuple[dict, dict]], seconds: str, tokens) -> float | None:
+def generated_tokens(line: dict) -> int:
+    return line["num_generated"]
+
+
+def decode_seconds(line: dict) -> float:
+    """The line's decode seconds; a batched line's share of its batch's, so that the lines of a batch
+    add up to the batch's."""
+    return line["decode_seconds"] if batch(line) == 1 else line["batch_decode_seconds"] / line["batch_size"]
+
+
+def call_seconds(line: dict) -> float:
+    """The line's whole generation call, prefill included (a batched line: its share)."""
+    return line["total_seconds"] if batch(line) == 1 else line["batch_seconds"] / line["batch_size"]
+
+
+def per_token_ratio(paired: list[tuple[dict, dict]], seconds, tokens) -> float | None:
     """(AR seconds per token) / (method seconds per token) over prompts that both ran."""
-    ar_per_token = ratio(sum(a[seconds] for _, a in paired), sum(tokens(a) for _, a in paired))
-    method_per_token = ratio(sum(r[seconds] for r, _ in paired), sum(tokens(r) for r, _ in paired))
+    ar_per_token = ratio(sum(seconds(a) for _, a in paired), sum(tokens(a) for _, a in paired))
+    method_per_token = ratio(sum(seconds(r) for r, _ in paired), sum(tokens(r) for r, _ in paired))
     if not ar_per_token or not method_per_token:
         return None
     return ar_per_token / method_per_token
+
+
+def speedups(paired: list[tuple[dict, dict]], size: int) -> dict[str, float | None]:
+    """Decode and end-to-end speedup against AR. At batch 1 they are latency speedups; a batched group's
+    are throughput speedups and go under other names, so that no table or reader takes one for the other."""
+    decode = per_token_ratio(paired, decode_seconds, decoded_tokens)
+    e2e = per_token_ratio(paired, call_seconds, generated_tokens)
+    if size == 1:
+        return {"speedup": decode, "e2e_speedup": e2e, "throughput_speedup": None, "e2e_throughput_speedup": None}
+    return {"speedup": None, "e2e_speedup": None, "throughput_speedup": decode, "e2e_throughput_speedup": e2e}
 
 
 def accept_histogram(rows: list[dict]) -> list[float] | None:
@@ -185,7 +223,13 @@ def fmt(value, digits: int = 2) -> str:
 
 
 def method_label(g: dict) -> str:
-    return g["method"] if g["budget"] is None else f"{g['method']} B={g['budget']}"
+    label = g["method"] if g["budget"] is None else f"{g['method']} B={g['budget']}"
+    return label if g["batch"] == 1 else f"{label} batch {g['batch']}"
+
+
+def speed_field(size: int) -> str:
+    """The group field a table of batch-`size` runs shows as their speedup (see `speedups`)."""
+    return "speedup" if size == 1 else "throughput_speedup"
 
 
 def main_precision(groups: list[dict]) -> str:
@@ -201,8 +245,9 @@ def heads_column(labels: list[str]):
     return "heads | ", "---|", lambda g: f"{g['heads_label']} | "
 
 
-def summary_table(groups: list[dict], labels: list[str]) -> list[str]:
-    """Paper layout: rows (T, method, budget, head set), columns benchmarks, cells speedup/tau."""
+def summary_table(groups: list[dict], labels: list[str], speed: str = "speedup") -> list[str]:
+    """Paper layout: rows (T, method, budget, head set), columns benchmarks, cells speedup/tau (`speed`:
+    the group field shown as speedup; groups of one batch size)."""
     benches = list(dict.fromkeys(g["benchmark"] for g in groups))
     head, sep, cell = heads_column(labels)
     rows = defaultdict(dict)
@@ -214,20 +259,21 @@ def summary_table(groups: list[dict], labels: list[str]) -> list[str]:
     out = ["| T | method | B | " + head + " | ".join(benches) + " |",
            "|---|---|---|" + sep + "---|" * len(benches)]
     for (temp, _, budget, method, _), cells in sorted(rows.items()):
-        texts = [f"{fmt(cells[b]['speedup'])}/{fmt(cells[b]['tau'])}" if b in cells else "" for b in benches]
+        texts = [f"{fmt(cells[b][speed])}/{fmt(cells[b]['tau'])}" if b in cells else "" for b in benches]
         out.append(f"| {temp:g} | {method} | {budget} | " + cell(next(iter(cells.values())))
                    + " | ".join(texts) + " |")
     return out
 
 
-def side_by_side(rows: list[dict], labels: list[str]) -> list[str]:
-    """One benchmark's tau and speedup of each head set next to each other, per (precision, T, method,
-    budget) that two or more head sets ran, with each head set's difference from the first one."""
+def side_by_side(rows: list[dict], labels: list[str], speed: str = "speedup") -> list[str]:
+    """One benchmark's tau and speedup (`speed`) of each head set next to each other, per (precision, T,
+    method, budget) that two or more head sets ran, with each head set's difference from the first one;
+    `rows` are of one batch size."""
     runs = defaultdict(dict)
     for g in rows:
         if g["method"] != "ar":
-            runs[(g["precision"], g["temperature"], method_order(g["method"]), g["method"], g["budget"])][
-                g["heads_label"]] = g
+            runs[(g["precision"], g["temperature"], method_order(g["method"]), g["budget"] or 0,
+                  method_label(g))][g["heads_label"]] = g
     runs = {key: by_label for key, by_label in sorted(runs.items()) if len(by_label) > 1}
     if not runs:
         return []
@@ -235,19 +281,44 @@ def side_by_side(rows: list[dict], labels: list[str]) -> list[str]:
     first, others = shown[0], shown[1:]
     precisions = len({key[0] for key in runs}) > 1
     columns = ["method"] + ["precision"] * precisions + ["T"]
-    for field in ("tau", "speedup"):
-        columns += [f"{field} {label}" for label in shown] + [f"Δ {field} {label}" for label in others]
+    fields = ("tau", speed)
+    for field in fields:
+        name = field.replace("_", " ")
+        columns += [f"{name} {label}" for label in shown] + [f"Δ {name} {label}" for label in others]
     out = ["", f"Head sets side by side (Δ: each head set minus {first}; each speedup is against the AR "
            "of its own run):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for (prec, temp, _, method, budget), by_label in runs.items():
-        cells = [method if budget is None else f"{method} B={budget}"] + [prec] * precisions + [f"{temp:g}"]
-        for field in ("tau", "speedup"):
+    for (prec, temp, _, _, label), by_label in runs.items():
+        cells = [label] + [prec] * precisions + [f"{temp:g}"]
+        for field in fields:
             values = {label: by_label[label][field] if label in by_label else None for label in shown}
             cells += [fmt(values[label]) for label in shown]
             cells += [f"{values[label] - values[first]:+.2f}" if None not in (values[label], values[first])
                       else "-" for label in others]
         out.append("| " + " | ".join(cells) + " |")
     return out
+
+
+def batch_sizes(groups: list[dict]) -> list[int]:
+    return sorted({g["batch"] for g in groups})
+
+
+def metrics_table(rows: list[dict], labels: list[str]) -> list[str]:
+    """A benchmark's groups of one batch size: batch 1 with its latency speedups, a batched size with
+    its throughput speedups, each column named for what it holds."""
+    head, sep, cell = heads_column(labels)
+    size = rows[0]["batch"]
+    speed = ("speedup | e2e speedup" if size == 1 else
+             f"throughput speedup (batch {size}) | e2e throughput speedup (batch {size})")
+    tok_s = "decode tok/s" if size == 1 else f"batch {size} decode tok/s"
+    out = [f"| method | {head}precision | T | n | tau | {tok_s} | {speed} | accuracy | = AR | mismatches (T=0) |",
+           "|---|" + sep + "---|---|---|---|---|---|---|---|---|---|"]
+    for g in rows:
+        mism = f"{g['mismatches']}/{g['compared']}" if g["mismatches"] is not None else "-"
+        decode, e2e = g[speed_field(size)], g["e2e_" + speed_field(size)]
+        out.append(f"| {method_label(g)} | {cell(g)}{g['precision']} | {g['temperature']:g} | {g['n']} | "
+                   f"{fmt(g['tau'])} | {fmt(g['decode_tokens_per_second'], 1)} | {fmt(decode)} | {fmt(e2e)} | "
+                   f"{fmt(g['accuracy'], 3)} | {fmt(g['accuracy_same_as_ar'])} | {mism} |")
+    return out + side_by_side(rows, labels, speed_field(size))
 
 
 def benchmark_tables(groups: list[dict], labels: list[str]) -> list[str]:
@@ -260,16 +331,11 @@ def benchmark_tables(groups: list[dict], labels: list[str]) -> list[str]:
         if sized:  # results files from before prompt_tokens was recorded have none
             out += [f"Prompt tokens: mean {sized['mean_prompt_tokens']:.0f}, max {sized['max_prompt_tokens']} "
                     f"({method_label(sized)}, n={sized['n']}).", ""]
-        out += [f"| method | {head}precision | T | n | tau | decode tok/s | speedup | e2e speedup "
-                "| accuracy | = AR | mismatches (T=0) |",
-                "|---|" + sep + "---|---|---|---|---|---|---|---|---|---|"]
-        for g in rows:
-            mism = f"{g['mismatches']}/{g['compared']}" if g["mismatches"] is not None else "-"
-            out.append(f"| {method_label(g)} | {cell(g)}{g['precision']} | {g['temperature']:g} | {g['n']} | "
-                       f"{fmt(g['tau'])} | {fmt(g['decode_tokens_per_second'], 1)} | {fmt(g['speedup'])} | "
-                       f"{fmt(g['e2e_speedup'])} | "
-                       f"{fmt(g['accuracy'], 3)} | {fmt(g['accuracy_same_as_ar'])} | {mism} |")
-        out += side_by_side(rows, labels)
+        for size in batch_sizes(rows):
+            if size > 1:
+                out += ["", f"Batch {size} (up to {size} prompts per call; speedups are throughput against AR "
+                        f"at batch {size}, not latency):", ""]
+            out += metrics_table([g for g in rows if g["batch"] == size], labels)
         hist = [g for g in rows if g["accept_histogram"]]
         if hist:
             width = 1 + max(k for g in hist for k, share in enumerate(g["accept_histogram"]) if share > 0)
@@ -293,7 +359,8 @@ def header(paths: list[str], metas: list[dict], groups: list[dict], labels: list
                    f"max_new_tokens {settings.get('max_new_tokens')}, width {settings.get('width')}, "
                    f"tree temperature {settings.get('tree_temperature', 1.0)}, "
                    f"GEMM backend {settings.get('gemm_backend', 'xla')}, seed {settings.get('seed')}"
-                   + (f", head set {settings['heads_label']}" if "heads_label" in settings else ""))
+                   + (f", head set {settings['heads_label']}" if "heads_label" in settings else "")
+                   + (f", batch {settings['batch']}" if settings.get("batch", 1) > 1 else ""))
         for run in meta.get("runs", []):
             env = run["environment"]
             devices = ", ".join(f"{n}x {kind}" for kind, n in Counter(env.get("devices", [])).items())
@@ -313,9 +380,10 @@ def lossless_lines(groups: list[dict]) -> list[str]:
     fp32 = [g for g in groups if g["precision"].split("/")[0] == "float32" and g["mismatches"]]
     exact = sum(g["mismatches"] for g in fp32 if g["precision"] == "float32/highest")
     out = [LOSSLESS_NOTE, ""]
-    for prec in sorted({g["precision"] for g in groups}):
-        of = [g for g in groups if g["precision"] == prec]
-        out.append(f"- {prec}: {sum(g['mismatches'] or 0 for g in of)} mismatched prompts at T=0 "
+    for prec, size in sorted({(g["precision"], g["batch"]) for g in groups}):
+        of = [g for g in groups if (g["precision"], g["batch"]) == (prec, size)]
+        out.append(f"- {prec}" + (f", batch {size}" if size > 1 else "")
+                   + f": {sum(g['mismatches'] or 0 for g in of)} mismatched prompts at T=0 "
                    f"(of {sum(g['compared'] for g in of)} compared).")
     if exact:
         out.append(f"**{exact} mismatches in fp32 with full-precision matmuls: speculative decoding is "
@@ -375,7 +443,7 @@ def plot_vs_budget(groups: list[dict], labels: list[str], field: str, ylabel: st
                     marker=HEAD_SET_MARKERS[head_set % len(HEAD_SET_MARKERS)],
                     markerfacecolor=None if head_set == 0 else "none",
                     linestyle="-" if temp == 0 else "--", label=name)
-        if field == "speedup":
+        if field.endswith("speedup"):
             ax.axhline(1.0, color="gray", linewidth=0.8)
         budgets = sorted({p[0] for points in series.values() for p in points})
         ax.set_xscale("log", base=2)
@@ -402,23 +470,32 @@ def write_report(paths: list[str], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     main = main_precision(groups)
     headline = [g for g in groups if g["precision"] == main]
-    plots = {"speedup": ("speedup_vs_budget.png", f"decode speedup vs AR ({main})"),
-             "tau": ("tau_vs_budget.png", f"tau ({main})")}
+    plotted = batch_sizes(headline)[0]  # batch 1 where the results have it: the latency speedup
+    shown = [g for g in headline if g["batch"] == plotted]
+    speed_label = (f"decode speedup vs AR ({main})" if plotted == 1 else
+                   f"decode throughput speedup vs AR, batch {plotted} ({main})")
+    plots = {speed_field(plotted): ("speedup_vs_budget.png", speed_label),
+             "tau": ("tau_vs_budget.png", f"tau ({main}" + (f", batch {plotted})" if plotted > 1 else ")"))}
     try:
         import matplotlib  # noqa: F401  (the plots are optional: the tables are the report)
     except ImportError:
         log.warning("matplotlib is not installed, so the report has no plots: pip install -e \".[eval]\"")
         plots = {}
     for field, (name, ylabel) in plots.items():
-        plot_vs_budget(headline, labels, field, ylabel, os.path.join(out_dir, name))
+        plot_vs_budget(shown, labels, field, ylabel, os.path.join(out_dir, name))
     errors = [line for line in lines if "error" in line]
     md = header(paths, metas, groups, labels)
     md += ["## Definitions", "", DEFINITIONS, "", "## Lossless check", ""] + lossless_lines(groups)
     md += failed_runs(errors)
     others = sorted({g["precision"] for g in groups} - {main})
     elsewhere = f"; {', '.join(others)} in the per-benchmark tables" if others else ""
-    md += [f"## Summary: speedup/tau ({main}{elsewhere})", ""] + summary_table(headline, labels)
-    md += ["", "## Per benchmark", ""] + benchmark_tables(groups, labels)
+    for size in batch_sizes(headline):
+        title = (f"## Summary: speedup/tau ({main}{elsewhere})" if size == 1 else
+                 f"## Summary, batch {size}: throughput speedup/tau ({main}; throughput against AR at batch "
+                 f"{size}, not latency)")
+        md += [title, ""] + summary_table([g for g in headline if g["batch"] == size], labels, speed_field(size))
+        md += [""]
+    md += ["## Per benchmark", ""] + benchmark_tables(groups, labels)
     if plots:
         md += ["## Plots", ""] + [f"![{field}]({name})" for field, (name, _) in plots.items()] + [""]
     md_path, json_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.json")

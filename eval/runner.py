@@ -1,5 +1,6 @@
-"""Timed evaluation runs: every prompt alone (batch 1) through AR and the speculative methods at each
-budget and temperature, scored and compared with AR, one JSON line per run; restarts resume."""
+"""Timed evaluation runs: every prompt alone (batch 1), or with `batch` > 1 prompts of one padded width
+together, through AR and the speculative methods at each budget and temperature, scored and compared
+with AR, one JSON line per prompt and run; restarts resume."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import os
 import re
 import sys
+from collections import defaultdict
 from typing import Any
 
 import jax
@@ -54,6 +56,7 @@ class EvalConfig:
     gemm_backend: str = "xla"  # the speculative methods' GEMM library on GPU (SpecConfig); AR keeps XLA's
     attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
     prompt_bucket: int = PROMPT_BUCKET  # each prompt pads to its own multiple of this: larger, fewer compiles
+    batch: int = 1  # > 1: up to this many prompts of one padded width per generation call (throughput)
     seed: int = 0
     data_dir: str | None = None
     results: str = DEFAULT_RESULTS
@@ -74,6 +77,8 @@ class EvalConfig:
         problems += [f"budget must be >= 2, got {b}" for b in self.budgets if b < 2]
         if self.prompt_bucket < 1:
             problems.append(f"prompt_bucket must be >= 1, got {self.prompt_bucket}")
+        if self.batch < 1:
+            problems.append(f"batch must be >= 1, got {self.batch}")
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures
@@ -142,6 +147,18 @@ def plan_runs(config: EvalConfig, heads: dict[str, HeadSource],
             for t in config.temperatures for method, budget in plan]
 
 
+def plan_batches(specs: list[RunSpec], size: int, width_of) -> list[list[RunSpec]]:
+    """The runs in generation calls of up to `size` prompts that share a method, budget, temperature and
+    padded width (`width_of(item)`; None for prompts that do not fit, which get error lines and no
+    call). Chunks depend on the whole plan, not on what a results file already holds, so a resumed run
+    re-forms the same batches. Each group comes where its first prompt's run is in `specs`, so AR's
+    batches precede the methods' batches of the same prompts, which are compared with them."""
+    groups = defaultdict(list)
+    for spec in specs:
+        groups[(spec.item.benchmark, spec.temperature, spec.method, spec.budget, width_of(spec.item))].append(spec)
+    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+
+
 class Evaluator:
     """Holds the target and heads, times generations, and turns each RunSpec into a results line."""
 
@@ -154,7 +171,7 @@ class Evaluator:
         for head_cfg, _ in self.head_params.values():
             draft_head.check_pairing(head_cfg, target.cfg)  # a head for another target fails here, once
         self.ar_tokens = ar_tokens  # (benchmark, id, temperature) -> AR tokens, for the T=0 comparison
-        self.prefill_seconds: dict[tuple, float] = {}  # (benchmark, id, method)
+        self.prefill_seconds: dict[tuple, float] = {}  # (benchmark, id, method) or (method, batch's prompt keys)
         self.scores: dict[tuple, Score] = {}  # (benchmark, id, text): identical outputs score once
         self.prefill_budget: dict[str, int | None] = {}  # each method's smallest budget
         self.scratch: dict[tuple, int] = {}  # (method, budget) -> cache rows its draft tree needs
@@ -193,15 +210,24 @@ class Evaluator:
             return f"skipped for every method and budget of the run: {e}"
         return None
 
+    def padded_width(self, item: EvalItem) -> int:
+        """The prompt's own multiple of prompt_bucket."""
+        return pad_prompts([self.prompt_tokens(item)], 0, self.config.prompt_bucket)[0].shape[1]
+
+    def batch_width(self, item: EvalItem) -> int | None:
+        """What a prompt's batch shares (plan_batches): its padded width; None if it does not fit."""
+        return None if self.does_not_fit(item) is not None else self.padded_width(item)
+
     def cache_len(self, item: EvalItem, method: str, budget: int | None) -> int:
-        """Cache rows for this prompt alone (batch 1): its own padded width, a multiple of prompt_bucket
-        (a long prompt never widens a short one), the new tokens and the method's tree, rounded up to 64.
-        Prompts of one bucket share compiled programs (at most max positions / prompt_bucket widths per
-        method and budget); the prefill-only call gets the same shapes."""
-        width = pad_prompts([self.prompt_tokens(item)], 0, self.config.prompt_bucket)[0].shape[1]
+        """Cache rows for this prompt's padded width, a multiple of prompt_bucket (a long prompt never
+        widens a short one; a batch holds prompts of one width), the new tokens and the method's tree,
+        rounded up to 64. Prompts of one bucket share compiled programs (at most max positions /
+        prompt_bucket widths per method, budget and batch size); the prefill-only call gets the same
+        shapes."""
+        width = self.padded_width(item)
         return -(-(width + self.config.max_new_tokens + self.scratch[(method, budget)]) // 64) * 64
 
-    def timed_generate(self, prompt: str, method: str, budget: int | None, temperature: float,
+    def timed_generate(self, prompt: str | list[str], method: str, budget: int | None, temperature: float,
                        max_new_tokens: int, cache_len: int):
         tree = {} if budget is None else {"budget": budget, "width": self.config.width,
                                           "tree_temperature": self.config.tree_temperature,
@@ -228,6 +254,18 @@ class Evaluator:
             self.prefill_seconds[key] = result.generate_seconds
         return self.prefill_seconds[key]
 
+    def batch_prefill_time(self, specs: list[RunSpec]) -> float:
+        """prefill_time for a batch: the same prompts in one prefill-only call, once per method."""
+        first = specs[0]
+        key = (first.method, tuple((s.item.benchmark, s.item.id) for s in specs))
+        if key not in self.prefill_seconds:
+            budget = self.prefill_budget[first.method]
+            cache_len = self.cache_len(first.item, first.method, budget)
+            result = self.timed_generate([s.item.prompt for s in specs], first.method, budget, first.temperature,
+                                         max_new_tokens=1, cache_len=cache_len)
+            self.prefill_seconds[key] = result.generate_seconds
+        return self.prefill_seconds[key]
+
     def score(self, item: EvalItem, text: str) -> Score:
         if item.reference is None:  # nothing to score against (MT-Bench, the held-out benchmarks)
             return NO_SCORE
@@ -236,12 +274,13 @@ class Evaluator:
             self.scores[key] = score_completion(item, text, self.config.code_timeout)
         return self.scores[key]
 
-    def run(self, spec: RunSpec) -> dict[str, Any]:
+    def settings_fields(self, spec: RunSpec) -> dict[str, Any]:
+        """What a line records of how it ran."""
         item, method, config = spec.item, spec.method, self.config
         role = ROLE_OF_METHOD.get(method)
         head = self.heads[role] if role else None
         tree_method = method in TREE_METHODS
-        line = {"benchmark": item.benchmark, "id": item.id, "method": method, "budget": spec.budget,
+        return {"benchmark": item.benchmark, "id": item.id, "method": method, "budget": spec.budget,
                 "temperature": spec.temperature,
                 "width": config.width if tree_method else None,
                 "tree_temperature": config.tree_temperature if tree_method else None,
@@ -252,6 +291,10 @@ class Evaluator:
                 "head": head.name if head else None,
                 "head_sha256": head.sha256 if head else None,
                 "heads_label": self.heads_label, "run": self.run_index}
+
+    def run(self, spec: RunSpec) -> dict[str, Any]:
+        item, method, config = spec.item, spec.method, self.config
+        line = self.settings_fields(spec)
         reason = self.does_not_fit(item)
         if reason is not None:  # an error line for each of its runs: recorded, and resumes skip it
             if (item.benchmark, item.id) not in self.skipped:
@@ -262,20 +305,43 @@ class Evaluator:
         result = self.timed_generate(item.prompt, method, spec.budget, spec.temperature,
                                      config.max_new_tokens, cache_len)
         prefill = self.prefill_time(spec)
-        tokens = result.token_ids[0]
-        score = self.score(item, result.texts[0])
-        line.update({
-            "prompt_tokens": len(result.prompt_token_ids[0]), "num_generated": len(tokens),
-            "stopped": bool(tokens) and tokens[-1] in stop_tokens(self.target),
-            "total_seconds": result.generate_seconds, "prefill_seconds": prefill,
-            "decode_seconds": max(result.generate_seconds - prefill, 0.0),
-            "target_forwards": result.target_forwards, "tau": result.tau,
-            "accept_counts": result.accept_counts,
+        timing = {"total_seconds": result.generate_seconds, "prefill_seconds": prefill,
+                  "decode_seconds": max(result.generate_seconds - prefill, 0.0)}
+        return {**line, **self.sequence_fields(spec, result, 0, timing)}
+
+    def run_batch(self, specs: list[RunSpec], wanted: set[tuple]) -> list[dict[str, Any]]:
+        """One generation call for a batch of plan_batches; lines for the runs whose key is in `wanted`.
+        A partly recorded batch runs whole, so that its timing is a whole batch's, and writes only the
+        lines the results file lacks. Timings are the batch's: each line carries them with its size."""
+        first = specs[0]
+        if self.batch_width(first.item) is None:  # prompts that do not fit: their error lines, no call
+            return [{**self.run(s), "batch": self.config.batch} for s in specs if s.key in wanted]
+        cache_len = self.cache_len(first.item, first.method, first.budget)
+        result = self.timed_generate([s.item.prompt for s in specs], first.method, first.budget,
+                                     first.temperature, self.config.max_new_tokens, cache_len)
+        prefill = self.batch_prefill_time(specs)
+        timing = {"batch": self.config.batch, "batch_size": len(specs), "batch_seconds": result.generate_seconds,
+                  "batch_prefill_seconds": prefill,
+                  "batch_decode_seconds": max(result.generate_seconds - prefill, 0.0)}
+        return [{**self.settings_fields(spec), **self.sequence_fields(spec, result, i, timing)}
+                for i, spec in enumerate(specs) if spec.key in wanted]
+
+    def sequence_fields(self, spec: RunSpec, result, index: int, timing: dict[str, Any]) -> dict[str, Any]:
+        """What sequence `index` of a generation call gave: its tokens, tau and acceptance (its own, not
+        the batch's), score and comparison with AR, with the call's `timing`."""
+        tokens, text = result.token_ids[index], result.texts[index]
+        forwards = result.sequence_forwards[index] if result.sequence_forwards else None
+        score = self.score(spec.item, text)
+        fields = {
+            "prompt_tokens": len(result.prompt_token_ids[index]), "num_generated": len(tokens),
+            "stopped": bool(tokens) and tokens[-1] in stop_tokens(self.target), **timing,
+            "target_forwards": forwards, "tau": (len(tokens) - 1) / forwards if forwards else None,
+            "accept_counts": result.sequence_accept_counts[index] if result.sequence_accept_counts else None,
             "correct": score.correct, "extracted": score.extracted,
-        })
-        line.update(self.compare_with_ar(spec, tokens))
-        line["text"] = result.texts[0]
-        return line
+        }
+        fields.update(self.compare_with_ar(spec, tokens))
+        fields["text"] = text
+        return fields
 
     def compare_with_ar(self, spec: RunSpec, tokens: list[int]) -> dict[str, Any]:
         """AR lines keep their tokens (later comparisons and resumes read them); at T=0 other methods
@@ -315,7 +381,7 @@ def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: st
             "heads_label": run_heads_label(config, heads),
             "max_new_tokens": config.max_new_tokens, "width": config.width,
             "tree_temperature": config.tree_temperature, "gemm_backend": config.gemm_backend, "seed": config.seed,
-            "attention": config.attention, "prompt_bucket": config.prompt_bucket}
+            "attention": config.attention, "prompt_bucket": config.prompt_bucket, "batch": config.batch}
 
 
 def check_inputs(config: EvalConfig) -> dict[str, list[EvalItem]]:
@@ -363,8 +429,26 @@ def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> 
     evaluator = Evaluator(config, target, heads, run_index, ar_tokens, settings["matmul_precision"])
     with ResultsWriter(config.results) as writer, tqdm(total=len(specs), initial=len(specs) - len(todo),
                                                        disable=not config.progress, desc="eval") as bar:
-        for spec in todo:
-            bar.set_postfix_str(f"{spec.item.benchmark} {spec.item.id} {spec.method} {spec.budget or ''}")
-            writer.write(evaluator.run(spec))
-            bar.update()
+        if config.batch == 1:
+            for spec in todo:
+                bar.set_postfix_str(f"{spec.item.benchmark} {spec.item.id} {spec.method} {spec.budget or ''}")
+                writer.write(evaluator.run(spec))
+                bar.update()
+        else:
+            run_batches(evaluator, specs, {s.key for s in todo}, writer, bar)
     return {"written": len(todo), "skipped": len(specs) - len(todo)}
+
+
+def run_batches(evaluator: Evaluator, specs: list[RunSpec], wanted: set[tuple], writer: ResultsWriter,
+                bar) -> None:
+    """Runs each batch that holds a run the results file lacks, writing only the lacking lines."""
+    for batch in plan_batches(specs, evaluator.config.batch, evaluator.batch_width):
+        if not any(s.key in wanted for s in batch):
+            continue
+        first = batch[0]
+        bar.set_postfix_str(f"{first.item.benchmark} {first.method} {first.budget or ''} "
+                            f"batch of {len(batch)}")
+        lines = evaluator.run_batch(batch, wanted)
+        for line in lines:
+            writer.write(line)
+        bar.update(len(lines))

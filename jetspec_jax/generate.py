@@ -49,6 +49,8 @@ class GenerationResult:
     method: str = "ar"
     target_forwards: int | None = None  # speculative: verify passes over the batch
     accept_counts: list[int] | None = None  # speculative: steps that accepted 0, 1, .. drafts
+    sequence_forwards: list[int] | None = None  # speculative: target_forwards of each sequence
+    sequence_accept_counts: list[list[int]] | None = None  # speculative: accept_counts of each sequence
 
     @property
     def num_generated(self) -> int:
@@ -229,7 +231,9 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
             jitted_generate(spec.gemm_backend), (target.params, head_params, tokens, lengths, key),
             dict(cfg=target.cfg, drafter=drafter, spec=spec, gen=gen, cache_len=cache_len))
         stats = dict(target_forwards=int(np.sum(out.target_forwards)),
-                     accept_counts=np.asarray(out.accept_counts).sum(0).tolist())
+                     accept_counts=np.asarray(out.accept_counts).sum(0).tolist(),
+                     sequence_forwards=np.asarray(out.target_forwards).tolist(),
+                     sequence_accept_counts=np.asarray(out.accept_counts).tolist())
     generated = trim_generated(np.asarray(out.tokens), np.asarray(out.num_tokens))
     return GenerationResult(texts=decode_texts(target.tokenizer, generated), token_ids=generated,
                             prompt_token_ids=prompt_ids, compile_seconds=compile_s, generate_seconds=run_s,

@@ -13,7 +13,7 @@ import pytest
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main
 from jetspec_jax.eval.heads import resolve_heads
-from jetspec_jax.eval.records import line_key, meta_path, read_lines
+from jetspec_jax.eval.records import check_compatible, line_key, meta_path, read_lines
 from jetspec_jax.loading.head_checkpoint import WEIGHTS_FILE, file_sha256, packaged_head_path
 from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
@@ -203,6 +203,7 @@ def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog,
     (["--methods", "eagle"], "unknown method 'eagle'"),
     (["--budgets", "1"], "budget must be >= 2"),
     (["--prompt-bucket", "0"], "prompt_bucket must be >= 1"),
+    (["--batch", "0"], "batch must be >= 1"),
     (["--tree-temperature", "0"], "tree_temperature must be a positive number, got 0"),
     (["--gemm-backend", "cudnn"], "invalid choice: 'cudnn'"),
     (["--heads", "jetspec=/no/such/head"], "no draft head at /no/such/head"),
@@ -223,3 +224,110 @@ def test_bad_input_is_one_error_line_and_exit_2(args, message, capsys, tmp_path,
 def test_report_of_missing_file_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]) == 2
     assert "no results file" in capsys.readouterr().err
+
+
+BATCH_ARGS = ["run", "--benchmarks", "gsm8k", "--methods", "ar", "jetspec", "--budgets", "16", "--temperatures",
+              "0", "--limit", "3", "--max-new-tokens", "12", "--no-progress", "--batch", "2"]
+
+
+def spy_generate(monkeypatch, calls: list) -> None:
+    """Records (method, prompts per call, max_new_tokens) of every generation call the runner makes."""
+    real = runner.generate
+
+    def spy(prompts, *args, **kwargs):
+        calls.append((kwargs["method"], 1 if isinstance(prompts, str) else len(prompts), kwargs["max_new_tokens"]))
+        return real(prompts, *args, **kwargs)
+    monkeypatch.setattr(runner, "generate", spy)
+
+
+@pytest.fixture(scope="module")
+def batched_run(finished_run, tmp_path_factory):
+    """gsm8k's first three prompts (one padded width) at --batch 2: a batch of prompts 0 and 1, then 2 alone;
+    prompts 0 and 1 also ran alone in finished_run."""
+    results = tmp_path_factory.mktemp("eval-batched") / "results.jsonl"
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "load_target", lambda *args, **kwargs: finished_run[1])
+        spy_generate(mp, calls)
+        assert main(BATCH_ARGS + ["--results", str(results)]) == 0
+    return results, calls
+
+
+def test_batched_lines_equal_batch_one_lines_in_fp32(finished_run, batched_run):
+    """Per-sequence tokens, tau and acceptance do not depend on the batch; timings are the batch's."""
+    results, calls = batched_run
+    assert ("ar", 2, 12) in calls and ("jetspec", 2, 12) in calls and ("jetspec", 2, 1) in calls
+    alone = {line_key(line): line for line in read_lines(str(finished_run[0]))}
+    lines = read_lines(str(results))
+    runs = (("ar", None), ("jetspec", 16))
+    assert [line_key(line) for line in lines] == [("gsm8k", i, m, b, 0.0) for m, b in runs for i in "012"]
+    for line in lines:
+        assert line["batch"] == 2 and line["batch_size"] == (1 if line["id"] == "2" else 2)
+        assert line["batch_seconds"] >= line["batch_decode_seconds"] >= 0 and line["batch_prefill_seconds"] > 0
+        assert "decode_seconds" not in line and "total_seconds" not in line
+        if line["method"] == "jetspec":
+            assert line["matches_ar"] is True and sum(line["accept_counts"]) == line["target_forwards"]
+        if line_key(line) in alone:
+            single = alone[line_key(line)]
+            for field in ("text", "token_ids", "num_generated", "stopped", "target_forwards", "tau",
+                          "accept_counts"):
+                assert line.get(field) == single.get(field), field
+    assert any(line["tau"] > 1 for line in lines if line["method"] == "jetspec")
+
+
+def test_batched_rerun_writes_nothing(batched_run, monkeypatch):
+    results, _ = batched_run
+    before = results.read_text()
+    monkeypatch.setattr(runner, "generate", lambda *a, **k: pytest.fail("a finished run generated again"))
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a finished run loaded the model"))
+    assert main(BATCH_ARGS + ["--results", str(results)]) == 0
+    assert results.read_text() == before
+
+
+def test_interrupted_batched_run_completes_without_duplicates(finished_run, batched_run, tmp_path, monkeypatch):
+    """Lost: jetspec's prompt 1 (its batch with prompt 0 reruns whole, writing only prompt 1's line) and a
+    torn prompt 2."""
+    results, _ = batched_run
+    lines = results.read_text().splitlines(keepends=True)
+    partial = tmp_path / "results.jsonl"
+    partial.write_text("".join(lines[:4]) + lines[5][:40])
+    (tmp_path / "results.jsonl.meta.json").write_text(open(meta_path(str(results))).read())
+    monkeypatch.setattr(runner, "load_target", lambda *args, **kwargs: finished_run[1])
+    calls = []
+    spy_generate(monkeypatch, calls)
+    assert main(BATCH_ARGS + ["--results", str(partial)]) == 0
+    assert [c for c in calls if c[2] == 12] == [("jetspec", 2, 12), ("jetspec", 1, 12)]
+    redone = read_lines(str(partial))
+    assert redone[:4] == read_lines(str(results))[:4]
+    assert sorted(map(line_key, redone)) == sorted(map(line_key, read_lines(str(results))))
+    assert [(r["id"], r["run"], r["matches_ar"]) for r in redone[4:]] == [("1", 1, True), ("2", 1, True)]
+
+
+def test_one_batch_size_per_results_file(finished_run, batched_run, capsys, monkeypatch):
+    """Batch-1 and batched timings never share a file; one from before --batch existed ran at batch 1."""
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a refused run loaded the model"))
+    assert main(BATCH_ARGS[:-1] + ["4", "--results", str(batched_run[0])]) == 2
+    err = capsys.readouterr().err
+    assert "holds --batch 2 runs and this run is --batch 4" in err and "write this run to a new --results" in err
+    meta = json.loads(open(meta_path(str(finished_run[0]))).read())
+    del meta["settings"]["batch"]
+    older = str(batched_run[0].parent / "older.jsonl")
+    open(meta_path(older), "w").write(json.dumps(meta))
+    check_compatible(older, {**meta["settings"], "batch": 1}, meta["heads"])
+    with pytest.raises(ValueError, match="holds --batch 1 runs and this run is --batch 2"):
+        check_compatible(older, {**meta["settings"], "batch": 2}, meta["heads"])
+
+
+def test_report_keeps_batch_sizes_apart(finished_run, batched_run, tmp_path):
+    assert main(["report", str(finished_run[0]), str(batched_run[0]), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "## Summary, batch 2: throughput speedup/tau" in md and "## Summary: speedup/tau" in md
+    assert re.search(r"- float32\S*: 0 mismatched prompts at T=0 \(of 4 compared\)", md)
+    assert re.search(r"- float32\S*, batch 2: 0 mismatched prompts at T=0 \(of 3 compared\)", md)
+    assert "| throughput speedup (batch 2) |" in md and "| jetspec B=16 batch 2 |" in md
+    groups = {(g["benchmark"], g["method"], g["batch"]): g
+              for g in json.loads((tmp_path / "report.json").read_text())["groups"]}
+    batched, alone = groups[("gsm8k", "jetspec", 2)], groups[("gsm8k", "jetspec", 1)]
+    assert batched["n"] == 3 and batched["mismatches"] == 0 and batched["accept_histogram"]
+    assert batched["speedup"] is None and batched["throughput_speedup"] > 0
+    assert alone["n"] == 2 and alone["throughput_speedup"] is None and alone["speedup"] > 0

@@ -171,6 +171,30 @@ def test_runner_pads_each_prompt_alone_and_records_prompts_that_do_not_fit(tiny_
     assert json.loads((out / "report.json").read_text())["failed_prompts"] == {"open_qa": [ids[2]]}
 
 
+def test_batches_hold_prompts_of_one_padded_width(tiny_gguf, tiny_target, tmp_path, monkeypatch):
+    """--batch 2: the two short prompts share a call, the long one (another width) runs in its own, and the
+    one too long for the model gets its error line and no call."""
+    short, other, long, too_long = "Why?", "How?", "Why " + "so " * 100 + "?", "Why " + "very " * 120 + "?"
+    data_dir, ids = open_qa_dir(tmp_path / "data", [short, long, other, too_long])
+    compiled = []  # (batch, padded prompt width, max_new_tokens) of every generation call
+    real_compiled_call = generate_module.compiled_call
+
+    def spy(fn, args, static):
+        compiled.append((*args[1].shape[:2], static["gen"].max_new_tokens))
+        return real_compiled_call(fn, args, static)
+
+    monkeypatch.setattr(generate_module, "compiled_call", spy)
+    monkeypatch.setattr(runner, "load_target", lambda *args, **kwargs: tiny_target)
+    results = tmp_path / "r.jsonl"
+    assert main(["run", "--benchmarks", "open_qa", "--data-dir", data_dir, "--model", tiny_gguf, "--methods", "ar",
+                 "--max-new-tokens", "4", "--batch", "2", "--results", str(results), "--no-progress",
+                 "--no-cache"]) == 0
+    assert sorted(set(compiled)) == [(1, 384, 1), (1, 384, 4), (2, 64, 1), (2, 64, 4)]
+    lines = {line["id"]: line for line in read_lines(str(results))}
+    assert [lines[i]["batch_size"] for i in ids[:3]] == [2, 1, 2] and lines[ids[3]]["batch"] == 2
+    assert "skipped for every method" in lines[ids[3]]["error"] and "batch_size" not in lines[ids[3]]
+
+
 def test_a_prompt_runs_for_every_method_or_for_none(tiny_target):
     """The fit rule takes the run's largest tree, so every method and budget sees the same prompts."""
     config = runner.EvalConfig(benchmarks=("open_qa",), methods=("ar", "jetspec"), budgets=(16, 256),

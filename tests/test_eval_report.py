@@ -233,3 +233,40 @@ def test_report_without_matplotlib_writes_the_tables(tmp_path, monkeypatch, capl
     assert sorted(os.listdir(tmp_path / "out")) == ["report.json", "report.md"]
     assert "## Plots" not in (tmp_path / "out" / "report.md").read_text()
     assert 'pip install -e ".[eval]"' in caplog.text
+
+
+def batched(line_, size=2, seconds=2.0, prefill=0.5):
+    """A line of a --batch 2 run: the batch's timings instead of the prompt's own."""
+    timing = {"batch": 2, "batch_size": size, "batch_seconds": seconds, "batch_prefill_seconds": prefill,
+              "batch_decode_seconds": seconds - prefill}
+    return {**{k: v for k, v in line_.items() if k not in ("decode_seconds", "total_seconds")}, **timing}
+
+
+def test_batched_lines_report_throughput_against_ar_at_their_batch(tmp_path):
+    """Each batch's seconds count once (shared among its lines); the speedup is throughput against AR's
+    batches, kept apart from the batch-1 latency speedup of the same prompts."""
+    prompts = [dict(), dict(id="1", generated=21)]
+    spec_runs = [dict(forwards=4, accepts=[0, 4], matches=True), dict(forwards=5, accepts=[1, 4], matches=True)]
+    write_lines(tmp_path / "alone.jsonl", [line("ar", None, **p) for p in prompts] + [
+        line("jetspec", 16, decode=0.5, **p, **r) for p, r in zip(prompts, spec_runs)])
+    spec_runs[1]["matches"] = False
+    write_lines(tmp_path / "batched.jsonl", [batched(line("ar", None, **p), seconds=3.0, prefill=1.0)
+                                             for p in prompts] + [
+        batched(line("jetspec", 16, **p, **r)) for p, r in zip(prompts, spec_runs)] + [
+        {**batched(line("jetspec", 16, id="2"), size=1), "error": "prompt too long"}])
+    paths = write_report([str(tmp_path / "alone.jsonl"), str(tmp_path / "batched.jsonl")], str(tmp_path / "out"))
+    groups = {(g["method"], g["batch"]): g for g in json.loads(open(paths[1]).read())["groups"]}
+    spec, alone = groups[("jetspec", 2)], groups[("jetspec", 1)]
+    assert spec["tau"] == alone["tau"] == pytest.approx(30 / 9)
+    assert spec["accept_histogram"] == alone["accept_histogram"]
+    assert spec["speedup"] is None and spec["throughput_speedup"] == pytest.approx((2.0 / 30) / (1.5 / 30))
+    assert spec["e2e_throughput_speedup"] == pytest.approx((3.0 / 32) / (2.0 / 32))
+    assert spec["decode_tokens_per_second"] == pytest.approx(30 / 1.5) and (spec["mismatches"], spec["n"]) == (1, 2)
+    assert alone["speedup"] == pytest.approx(2.0) and alone["throughput_speedup"] is None
+    md = open(paths[0]).read()
+    assert "| 0 | jetspec | 16 | 2.00/3.33 |" in md  # batch 1: latency speedup
+    assert "## Summary, batch 2: throughput speedup/tau (float32/highest; throughput against AR at batch 2" in md
+    assert "| 0 | jetspec | 16 | 1.33/3.33 |" in md
+    assert "| jetspec B=16 batch 2 | float32/highest | 0 | 2 | 3.33 | 20.0 | 1.33 | 1.50 | 1.000 | yes | 1/2 |" in md
+    assert "- float32/highest: 0 mismatched" in md and "- float32/highest, batch 2: 1 mismatched" in md
+    assert "1 runs failed" in md
