@@ -272,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "each branch conditioned on its own tokens); ddtree: bidirectional head + "
                         "best-first tree; dflash: bidirectional head, chain")
     p.add_argument("--head", default=None, help="trained draft head directory (draft_config.json + "
-                                                "head.safetensors); default: the head shipped for the "
-                                                "target, else an untrained one")
+                                                "head.safetensors or its shards); default: the head "
+                                                "shipped for the target, else an untrained one")
     p.add_argument("--budget", type=int, default=64, help="tree nodes verified per step, root included")
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--max-depth", type=int, default=None, help="tree depth limit (default: the head's)")
