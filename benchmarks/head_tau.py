@@ -1,8 +1,8 @@
 """Acceptance of a trained head on held-out prompts: tau per method and budget, with AR in the same run.
 
-    python benchmarks/head_tau.py --head jetspec_jax/heads/smollm2-135m-jetspec --out benchmarks/results/head_tau.json
+    python benchmarks/head_tau.py --head jetspec_jax/heads/smollm2-135m-general-jetspec --out benchmarks/results/head_tau.json
     # tree-causal drafting with the same (causal) head
-    python benchmarks/head_tau.py --head jetspec_jax/heads/smollm2-135m-jetspec --methods jetspec jetspec-tc
+    python benchmarks/head_tau.py --head jetspec_jax/heads/smollm2-135m-general-jetspec --methods jetspec jetspec-tc
 
 Prompts: the first N GSM8K test questions (never trained on) with the math instruction, chat template,
 greedy. Every speculative output is checked token for token against the AR output.

@@ -370,7 +370,8 @@ def header(paths: list[str], metas: list[dict], groups: list[dict], labels: list
                        f"commit {env.get('git_commit')})")
     heads = sorted({(g["heads_label"], *h) for g in groups for h in g["heads"]},
                    key=lambda h: (labels.index(h[0]), str(h[1:])))
-    out += ["", "Draft heads by head set (sha256 of head.safetensors):", ""]
+    out += ["", "Draft heads by head set (sha256 of head.safetensors, or for sharded weights a digest of the "
+            "shards' sha256):", ""]
     out += [f"- {label}: {name}, " + (f"`{sha}`" if sha else "random initialisation, no weights file")
             for label, name, sha in heads] or ["- none"]
     return out + [""]

@@ -14,7 +14,7 @@ from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main
 from jetspec_jax.eval.heads import resolve_heads
 from jetspec_jax.eval.records import check_compatible, line_key, meta_path, read_lines
-from jetspec_jax.loading.head_checkpoint import WEIGHTS_FILE, file_sha256, packaged_head_path
+from jetspec_jax.loading.head_checkpoint import packaged_head_path, verify_head_files
 from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(DEFAULT_DATA_DIR), reason=f"no data at {DEFAULT_DATA_DIR}")
@@ -52,7 +52,7 @@ def test_run_writes_one_line_per_run(finished_run):
     assert keys == [(b, i, m, budget, 0.0) for b, ids in (("gsm8k", ("0", "1")),
                                                           ("humaneval", ("HumanEval/0", "HumanEval/1")))
                     for i in ids for m, budget in (("ar", None), ("jetspec", 16))]
-    head_sha = file_sha256(os.path.join(packaged_head_path(target, "jetspec"), WEIGHTS_FILE))
+    head_sha = verify_head_files(packaged_head_path(target, "jetspec")).weights_digest()  # one file or shards
     for line in lines:
         assert line["dtype"] == "float32" and line["matmul_precision"] == "highest"
         assert 1 <= line["num_generated"] <= 12

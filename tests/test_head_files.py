@@ -18,9 +18,10 @@ from jetspec_jax import generate as generate_cli
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main as eval_main
 from jetspec_jax.eval.heads import resolve_heads
-from jetspec_jax.loading.head_checkpoint import (CONFIG_FILE, MAX_SHARD_BYTES, PACKAGED_HEADS_DIR, SHARDS_KEY,
-                                                 WEIGHTS_FILE, file_sha256, load_head, packaged_head_path,
-                                                 save_head, shard_file_name, verify_head_files)
+from jetspec_jax.loading.head_checkpoint import (CONFIG_FILE, MAX_SHARD_BYTES, PACKAGED_HEADS_DIR, PACKAGED_INDEX,
+                                                 SHARDS_KEY, WEIGHTS_FILE, file_sha256, load_head,
+                                                 packaged_head_path, packaged_heads, save_head, shard_file_name,
+                                                 verify_head_files)
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params, path_to_str
 from jetspec_jax.target import load_target
@@ -51,10 +52,20 @@ def renamed_target(embedded_target, tmp_path_factory):
     return load_target(path, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def single_file_shipped_head(embedded_target, tmp_path_factory):
+    """The shipped JetSpec head (sharded) re-saved as one head.safetensors, the layout of heads exported
+    before shards existed, so the damage tests below each hit the one weights file."""
+    cfg, params = load_head(packaged_head_path(embedded_target, "jetspec"), jnp.bfloat16, target=embedded_target)
+    path = str(tmp_path_factory.mktemp("single-file") / "head")
+    save_head(path, cfg, params, target=embedded_target, max_shard_bytes=2**40)
+    return path
+
+
 @pytest.fixture()
-def shipped_head_copy(embedded_target, tmp_path):
+def shipped_head_copy(single_file_shipped_head, tmp_path):
     path = str(tmp_path / "head")
-    shutil.copytree(packaged_head_path(embedded_target, "jetspec"), path)
+    shutil.copytree(single_file_shipped_head, path)
     return path
 
 
@@ -193,9 +204,20 @@ def test_unreadable_weights_without_a_recorded_sha(embedded_target, shipped_head
     assert_one_error_line(err, weights, "not a readable safetensors file")
 
 
+def shipped_head_dirs() -> list[str]:
+    """The directory names heads.json lists, each once."""
+    with open(PACKAGED_INDEX) as f:
+        return sorted({name for entry in json.load(f).values() for key, name in entry.items() if key != "target"})
+
+
 def head_config_keys() -> list[str]:
-    with open(os.path.join(PACKAGED_HEADS_DIR, "smollm2-135m-jetspec", CONFIG_FILE)) as f:
-        return list(json.load(f))
+    """The shipped heads' draft_config.json keys as a one-file head has them: weights_sha256 in place of
+    the shard list (test_malformed_shard_list_is_refused covers that one)."""
+    keys = set()
+    for name in shipped_head_dirs():
+        with open(os.path.join(PACKAGED_HEADS_DIR, name, CONFIG_FILE)) as f:
+            keys |= {"weights_sha256" if key == SHARDS_KEY else key for key in json.load(f)}
+    return sorted(keys)
 
 
 # A wrong type for each key: strings for numbers, numbers for strings and lists, and so on.
@@ -206,6 +228,8 @@ MISTYPED = {"tap_layers": "1,8", "attention": 3, "mask_token_id": "mask", "rms_n
 @pytest.mark.parametrize("key", head_config_keys())
 def test_head_config_key_dropped_or_mistyped(shipped_head_copy, capsys, key):
     config_path = os.path.join(shipped_head_copy, CONFIG_FILE)
+    with open(config_path) as f:
+        assert key in json.load(f)  # the one-file copy has every key the shipped heads have
     optional = key in ("target_fingerprint", "target_name", "weights_sha256")
     if not optional:
         edit_config(shipped_head_copy, lambda d: d.pop(key))
@@ -363,19 +387,62 @@ def test_deeper_heads_of_the_embedded_model_stay_under_the_repository_limit(embe
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-jetspec", "smollm2-135m-dflash"])
-def test_shipped_single_file_heads_verify_and_load_unchanged(name):
-    """Heads exported before shards existed: one head.safetensors, its sha256 recorded and still the identity."""
+def test_single_file_heads_verify_and_load_unchanged(single_file_shipped_head, embedded_target):
+    """Heads exported before shards existed (and heads under the limit): one head.safetensors, its sha256
+    recorded and still the identity, loaded tensor for tensor as stored."""
     from safetensors import safe_open
 
-    path = os.path.join(PACKAGED_HEADS_DIR, name)
+    path = single_file_shipped_head
     record = verify_head_files(path)
     weights = os.path.join(path, WEIGHTS_FILE)
+    assert sorted(os.listdir(path)) == [CONFIG_FILE, WEIGHTS_FILE]
     assert record.weights_shards == () and record.weight_files == ((weights, record.weights_sha256),)
     assert record.weights_digest() == record.weights_sha256 == file_sha256(weights)
-    _, params = load_head(path, jnp.bfloat16)
+    _, params = load_head(path, jnp.bfloat16, target=embedded_target)
     flat = flat_params(params)
     with safe_open(weights, framework="numpy") as f:
         assert sorted(f.keys()) == sorted(flat)
         for key in f.keys():
             np.testing.assert_array_equal(flat[key], f.get_tensor(key))
+    _, sharded = load_head(packaged_head_path(embedded_target, "jetspec"), jnp.bfloat16)
+    for key, value in flat_params(sharded).items():  # the same weights as the shipped shards
+        np.testing.assert_array_equal(flat[key], value)
+
+
+@pytest.mark.parametrize("name", shipped_head_dirs())
+def test_shipped_sharded_heads_verify_and_load_unchanged(name):
+    """The shipped heads outgrow MAX_SHARD_BYTES: shards only, each under the repository's limit with the
+    sha256 draft_config.json records, loaded tensor for tensor as stored."""
+    from safetensors import safe_open
+
+    path = os.path.join(PACKAGED_HEADS_DIR, name)
+    record = verify_head_files(path)
+    shards = [os.path.join(path, shard_file_name(i, len(record.weights_shards)))
+              for i in range(1, len(record.weights_shards) + 1)]
+    assert len(shards) >= 2 and record.weights_sha256 is None
+    assert sorted(os.listdir(path)) == sorted([CONFIG_FILE] + [os.path.basename(s) for s in shards])
+    assert [file for file, _ in record.weight_files] == shards
+    for shard, (_, sha) in zip(shards, record.weights_shards):
+        assert file_sha256(shard) == sha and os.path.getsize(shard) <= MAX_SHARD_BYTES
+    digest = record.weights_digest()
+    assert len(digest) == 64 and digest not in {sha for _, sha in record.weights_shards}
+    _, params = load_head(path, jnp.bfloat16)
+    flat = flat_params(params)
+    stored = {}
+    for shard in shards:
+        with safe_open(shard, framework="numpy") as f:
+            assert not set(f.keys()) & set(stored)  # every tensor in exactly one shard
+            stored |= {key: f.get_tensor(key) for key in f.keys()}
+    assert sorted(stored) == sorted(flat)
+    for key, value in stored.items():
+        np.testing.assert_array_equal(flat[key], value)
+
+
+def test_shipped_index_gives_each_method_a_head_of_its_kind_for_its_target(embedded_target):
+    heads = packaged_heads(embedded_target)
+    assert set(heads) == {"jetspec", "jetspec-tc", "ddtree", "dflash"}
+    for method, path in heads.items():
+        record = verify_head_files(path)
+        assert record.cfg.attention == ("causal" if method.startswith("jetspec") else "bidirectional"), method
+        assert record.target_fingerprint == embedded_target.fingerprint
+        draft_head.check_pairing(record.cfg, embedded_target.cfg)
