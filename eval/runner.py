@@ -171,7 +171,7 @@ class Evaluator:
         for head_cfg, _ in self.head_params.values():
             draft_head.check_pairing(head_cfg, target.cfg)  # a head for another target fails here, once
         self.ar_tokens = ar_tokens  # (benchmark, id, temperature) -> AR tokens, for the T=0 comparison
-        self.prefill_seconds: dict[tuple, float] = {}  # (benchmark, id, method) or (method, batch's prompt keys)
+        self.prefill_seconds: dict[tuple, float] = {}  # (method, (benchmark, id) of each prompt of the call)
         self.scores: dict[tuple, Score] = {}  # (benchmark, id, text): identical outputs score once
         self.prefill_budget: dict[str, int | None] = {}  # each method's smallest budget
         self.scratch: dict[tuple, int] = {}  # (method, budget) -> cache rows its draft tree needs
@@ -242,20 +242,10 @@ class Evaluator:
         # the first run of a freshly compiled executable pays one-time costs; time a warm one
         return call() if result.compile_seconds > 0 else result
 
-    def prefill_time(self, spec: RunSpec) -> float:
-        """Prefill-only call (max_new_tokens=1), once per prompt and method, with the cache of the
-        method's smallest budget (the closest to AR's, so decode time is not flattered)."""
-        key = (spec.item.benchmark, spec.item.id, spec.method)
-        if key not in self.prefill_seconds:
-            budget = self.prefill_budget[spec.method]
-            cache_len = self.cache_len(spec.item, spec.method, budget)
-            result = self.timed_generate(spec.item.prompt, spec.method, budget, spec.temperature,
-                                         max_new_tokens=1, cache_len=cache_len)
-            self.prefill_seconds[key] = result.generate_seconds
-        return self.prefill_seconds[key]
-
-    def batch_prefill_time(self, specs: list[RunSpec]) -> float:
-        """prefill_time for a batch: the same prompts in one prefill-only call, once per method."""
+    def prefill_time(self, specs: list[RunSpec]) -> float:
+        """Prefill-only call (max_new_tokens=1) of these runs' prompts together (one, or a batch of
+        plan_batches), once per prompts and method, with the cache of the method's smallest budget (the
+        closest to AR's, so decode time is not flattered)."""
         first = specs[0]
         key = (first.method, tuple((s.item.benchmark, s.item.id) for s in specs))
         if key not in self.prefill_seconds:
@@ -304,7 +294,7 @@ class Evaluator:
         cache_len = self.cache_len(item, method, spec.budget)
         result = self.timed_generate(item.prompt, method, spec.budget, spec.temperature,
                                      config.max_new_tokens, cache_len)
-        prefill = self.prefill_time(spec)
+        prefill = self.prefill_time([spec])
         timing = {"total_seconds": result.generate_seconds, "prefill_seconds": prefill,
                   "decode_seconds": max(result.generate_seconds - prefill, 0.0)}
         return {**line, **self.sequence_fields(spec, result, 0, timing)}
@@ -319,7 +309,7 @@ class Evaluator:
         cache_len = self.cache_len(first.item, first.method, first.budget)
         result = self.timed_generate([s.item.prompt for s in specs], first.method, first.budget,
                                      first.temperature, self.config.max_new_tokens, cache_len)
-        prefill = self.batch_prefill_time(specs)
+        prefill = self.prefill_time(specs)
         timing = {"batch": self.config.batch, "batch_size": len(specs), "batch_seconds": result.generate_seconds,
                   "batch_prefill_seconds": prefill,
                   "batch_decode_seconds": max(result.generate_seconds - prefill, 0.0)}
