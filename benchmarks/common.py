@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jetspec_jax.provenance import environment, write_json_atomic  # noqa: F401  (re-exported)
@@ -43,6 +44,11 @@ def eval_prompt_ids(tokenizer, benchmarks, data_dir) -> dict[tuple[str, str], li
         ids.update({(benchmark, item.id): x for item, x in
                     zip(items, encode_prompts(tokenizer, [item.prompt for item in items]))})
     return ids
+
+
+def leading_true(flags: np.ndarray) -> np.ndarray:
+    """(N, D) bools -> (N,) count of leading Trues per row (e.g. a path's tokens the target accepts)."""
+    return np.argmin(np.concatenate([flags, np.zeros((len(flags), 1), bool)], axis=1), axis=1)
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, write_json_atomic  # noqa: E402
+from common import environment, leading_true, print_table, write_json_atomic  # noqa: E402
 
 from jetspec_jax.eval.datasets import BENCHMARKS, load_benchmark  # noqa: E402
 from jetspec_jax.generate import generate  # noqa: E402
@@ -88,11 +88,6 @@ def tree_acceptance(anchor_tokens, cand_tokens, cand_logps, labels, valid, *, bu
     depth = jnp.arange(2, cand_tokens.shape[1] + 1)
     off_argmax = (path_tokens != argmax_tokens) & (depth[None] <= result.accept_len[:, None])
     return result.accept_len, jnp.sum(off_argmax, axis=1)
-
-
-def leading_true(flags: np.ndarray) -> np.ndarray:
-    """(K, D) bools -> (K,) count of leading Trues per row."""
-    return np.argmin(np.concatenate([flags, np.zeros((len(flags), 1), bool)], axis=1), axis=1)
 
 
 def main():

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, write_json_atomic  # noqa: E402
+from common import environment, leading_true, print_table, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import prefill  # noqa: E402
 from jetspec_jax.eval.datasets import BENCHMARKS, load_benchmark  # noqa: E402
@@ -105,11 +105,6 @@ def target_path_logprobs(target_params, cache, anchor, path, *, target_cfg):
     logits, _, _ = qwen3.forward(target_params, block, positions, cache, target_cfg)
     log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(log_p, path[..., None], axis=-1)[..., 0], jnp.argmax(log_p, axis=-1) == path
-
-
-def leading_true(flags: np.ndarray) -> np.ndarray:
-    """(B, D) bools -> (B,) count of leading Trues per row."""
-    return np.argmin(np.concatenate([flags, np.zeros((len(flags), 1), bool)], axis=1), axis=1)
 
 
 def gap_summary(gaps: np.ndarray) -> dict[str, float]:
