@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run up to N prompts of one padded width together (per method, budget and "
                           "temperature): tau, acceptance and the lossless check per prompt as at batch 1, and "
                           "a throughput speedup against AR at the same batch; the latency speedup needs the "
-                          "default, 1. One batch size per results file")
+                          "default, 1. A short batch is filled up to N with copies of its last prompt (one compiled "
+                          "program per width). One batch size per results file")
     run.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                      help="attention of AR decode steps and verify passes (auto: Pallas kernel on GPU)")
     run.add_argument("--seed", type=int, default=0)

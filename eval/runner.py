@@ -251,10 +251,16 @@ class Evaluator:
         if key not in self.prefill_seconds:
             budget = self.prefill_budget[first.method]
             cache_len = self.cache_len(first.item, first.method, budget)
-            result = self.timed_generate([s.item.prompt for s in specs], first.method, budget, first.temperature,
+            result = self.timed_generate(self.call_prompts(specs), first.method, budget, first.temperature,
                                          max_new_tokens=1, cache_len=cache_len)
             self.prefill_seconds[key] = result.generate_seconds
         return self.prefill_seconds[key]
+
+    def call_prompts(self, specs: list[RunSpec]) -> list[str]:
+        """A call's prompts: a short batch is filled up to --batch with copies of its last prompt (whose
+        outputs are dropped), so that all the calls of one padded width share one compiled program."""
+        prompts = [s.item.prompt for s in specs]
+        return prompts + prompts[-1:] * (self.config.batch - len(prompts))
 
     def score(self, item: EvalItem, text: str) -> Score:
         if item.reference is None:  # nothing to score against (MT-Bench, the held-out benchmarks)
@@ -307,10 +313,11 @@ class Evaluator:
         if self.batch_width(first.item) is None:  # prompts that do not fit: their error lines, no call
             return [{**self.run(s), "batch": self.config.batch} for s in specs if s.key in wanted]
         cache_len = self.cache_len(first.item, first.method, first.budget)
-        result = self.timed_generate([s.item.prompt for s in specs], first.method, first.budget,
+        result = self.timed_generate(self.call_prompts(specs), first.method, first.budget,
                                      first.temperature, self.config.max_new_tokens, cache_len)
         prefill = self.prefill_time(specs)
-        timing = {"batch": self.config.batch, "batch_size": len(specs), "batch_seconds": result.generate_seconds,
+        timing = {"batch": self.config.batch, "batch_size": len(specs), "batch_filled": self.config.batch - len(specs),
+                  "batch_seconds": result.generate_seconds,
                   "batch_prefill_seconds": prefill,
                   "batch_decode_seconds": max(result.generate_seconds - prefill, 0.0)}
         return [{**self.settings_fields(spec), **self.sequence_fields(spec, result, i, timing)}

@@ -242,8 +242,8 @@ def spy_generate(monkeypatch, calls: list) -> None:
 
 @pytest.fixture(scope="module")
 def batched_run(finished_run, tmp_path_factory):
-    """gsm8k's first three prompts (one padded width) at --batch 2: a batch of prompts 0 and 1, then 2 alone;
-    prompts 0 and 1 also ran alone in finished_run."""
+    """gsm8k's first three prompts (one padded width) at --batch 2: a batch of prompts 0 and 1, then 2 and a
+    copy of it that fills the batch; prompts 0 and 1 also ran alone in finished_run."""
     results = tmp_path_factory.mktemp("eval-batched") / "results.jsonl"
     calls = []
     with pytest.MonkeyPatch.context() as mp:
@@ -257,12 +257,14 @@ def test_batched_lines_equal_batch_one_lines_in_fp32(finished_run, batched_run):
     """Per-sequence tokens, tau and acceptance do not depend on the batch; timings are the batch's."""
     results, calls = batched_run
     assert ("ar", 2, 12) in calls and ("jetspec", 2, 12) in calls and ("jetspec", 2, 1) in calls
+    assert {size for _, size, _ in calls} == {2}  # the short batch is filled: one program per width
     alone = {line_key(line): line for line in read_lines(str(finished_run[0]))}
     lines = read_lines(str(results))
     runs = (("ar", None), ("jetspec", 16))
     assert [line_key(line) for line in lines] == [("gsm8k", i, m, b, 0.0) for m, b in runs for i in "012"]
     for line in lines:
         assert line["batch"] == 2 and line["batch_size"] == (1 if line["id"] == "2" else 2)
+        assert line["batch_filled"] == 2 - line["batch_size"]
         assert line["batch_seconds"] >= line["batch_decode_seconds"] >= 0 and line["batch_prefill_seconds"] > 0
         assert "decode_seconds" not in line and "total_seconds" not in line
         if line["method"] == "jetspec":
@@ -296,7 +298,7 @@ def test_interrupted_batched_run_completes_without_duplicates(finished_run, batc
     calls = []
     spy_generate(monkeypatch, calls)
     assert main(BATCH_ARGS + ["--results", str(partial)]) == 0
-    assert [c for c in calls if c[2] == 12] == [("jetspec", 2, 12), ("jetspec", 1, 12)]
+    assert [c for c in calls if c[2] == 12] == [("jetspec", 2, 12), ("jetspec", 2, 12)]  # prompt 2 filled up to 2
     redone = read_lines(str(partial))
     assert redone[:4] == read_lines(str(results))[:4]
     assert sorted(map(line_key, redone)) == sorted(map(line_key, read_lines(str(results))))
