@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="jax matmul precision (default: highest for float32, whose T=0 outputs must "
                           "equal AR's exactly; jax's default otherwise)")
     run.add_argument("--code-timeout", type=float, default=10.0, help="seconds per HumanEval/MBPP program")
+    run.add_argument("--compile-workers", type=int, default=EvalConfig.compile_workers, metavar="N",
+                     help="compile every program of the run before the first timed call, N at a time (XLA "
+                          "compiles in parallel threads; default: min(8, CPUs)); 0 compiles each at its first call")
     run.add_argument("--no-progress", action="store_true")
     cache.add_cache_flags(run)
     report = sub.add_parser("report", help="report.md, report.json and plots from results files")
@@ -132,7 +135,7 @@ def eval_command(argv=None) -> int:
             data_dir=args.data_dir, results=args.results, head_dirs=parse_heads(args.heads),
             heads_label=args.heads_label, allow_untrained=args.allow_untrained, model=args.model,
             dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,
-            progress=not args.no_progress)
+            compile_workers=args.compile_workers, progress=not args.no_progress)
         summary = run_eval(config, command=["python", "-m", "jetspec_jax.eval",
                                             *(sys.argv[1:] if argv is None else argv)])
         print(f"{args.results}: {summary['written']} lines written, {summary['skipped']} already there")

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -17,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jetspec_jax.generate import (PROMPT_BUCKET, encode_prompts, generate, pad_prompts, plan_cache_len,
-                                  stop_tokens)
+from jetspec_jax.generate import (PROMPT_BUCKET, GenerateCall, compile_ahead, encode_prompts, generate, pad_prompts,
+                                  plan_cache_len, prepare_generate, stop_tokens)
 from jetspec_jax.models import draft_head
 from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_gemm_backend, check_tree_temperature,
                                      speculative_cache_rows)
@@ -67,6 +68,7 @@ class EvalConfig:
     dtype: str | None = None
     matmul_precision: str | None = None  # None: "highest" for float32 (exactness checks), else jax's
     code_timeout: float = 10.0
+    compile_workers: int = min(8, os.cpu_count() or 1)  # programs compiled at once before the timed calls; 0: at first call
     progress: bool = True
 
     def __post_init__(self):
@@ -90,6 +92,9 @@ class EvalConfig:
                             f"report's tables), got {self.heads_label!r}")
         if self.width < 1:
             problems.append(f"width must be >= 1, got {self.width}")
+        if self.compile_workers < 0:
+            problems.append(f"compile_workers must be >= 0 (0 compiles each program at its first call), got "
+                            f"{self.compile_workers}")
         if not (math.isfinite(self.code_timeout) and self.code_timeout > 0):
             problems.append(f"code_timeout must be a positive number of seconds, got {self.code_timeout}")
         for check, value in ((check_tree_temperature, self.tree_temperature),
@@ -227,20 +232,51 @@ class Evaluator:
         width = self.padded_width(item)
         return -(-(width + self.config.max_new_tokens + self.scratch[(method, budget)]) // 64) * 64
 
-    def timed_generate(self, prompt: str | list[str], method: str, budget: int | None, temperature: float,
-                       max_new_tokens: int, cache_len: int):
+    def generate_options(self, method: str, budget: int | None, temperature: float, max_new_tokens: int,
+                         cache_len: int) -> dict[str, Any]:
+        """The options of a generation call (generate / prepare_generate) of this run."""
         tree = {} if budget is None else {"budget": budget, "width": self.config.width,
                                           "tree_temperature": self.config.tree_temperature,
                                           "gemm_backend": self.config.gemm_backend}
+        return dict(method=method, head=self.head(method), **tree, attention=self.config.attention,
+                    prompt_bucket=self.config.prompt_bucket, max_new_tokens=max_new_tokens,
+                    temperature=temperature, seed=self.config.seed, max_cache_len=cache_len)
 
-        def call():
-            return generate(prompt, self.target, method=method, head=self.head(method), **tree,
-                            attention=self.config.attention, prompt_bucket=self.config.prompt_bucket,
-                            max_new_tokens=max_new_tokens, temperature=temperature, seed=self.config.seed,
-                            max_cache_len=cache_len)
-        result = call()
+    def timed_generate(self, prompt: str | list[str], method: str, budget: int | None, temperature: float,
+                       max_new_tokens: int, cache_len: int):
+        options = self.generate_options(method, budget, temperature, max_new_tokens, cache_len)
+        result = generate(prompt, self.target, **options)
         # the first run of a freshly compiled executable pays one-time costs; time a warm one
-        return call() if result.compile_seconds > 0 else result
+        return generate(prompt, self.target, **options) if result.compile_seconds > 0 else result
+
+    def planned_calls(self, batches: list[list[RunSpec]]) -> list[GenerateCall]:
+        """The generation and prefill-only calls that these batches (of plan_batches, or one run each at
+        batch 1) will make, for compile_ahead; prompts that do not fit make none."""
+        calls = []
+        for specs in batches:
+            first = specs[0]
+            if self.batch_width(first.item) is None:
+                continue
+            prompts = self.call_prompts(specs)
+            cache_len = self.cache_len(first.item, first.method, first.budget)
+            calls.append(prepare_generate(prompts, self.target, **self.generate_options(
+                first.method, first.budget, first.temperature, self.config.max_new_tokens, cache_len)))
+            budget = self.prefill_budget[first.method]
+            calls.append(prepare_generate(prompts, self.target, **self.generate_options(
+                first.method, budget, first.temperature, 1, self.cache_len(first.item, first.method, budget))))
+        return calls
+
+    def compile_plan(self, batches: list[list[RunSpec]]) -> None:
+        """Compiles every program the batches will call before the first timed call, compile_workers at
+        once (an eval plan has one per method, budget, temperature, padded width and batch size: seconds
+        each on a GPU, most of a run's time when compiled one by one)."""
+        if self.config.compile_workers == 0:
+            return
+        t0 = time.perf_counter()
+        compiled = compile_ahead(self.planned_calls(batches), self.config.compile_workers)
+        if compiled:
+            log.info("compiled %d programs in %.1f s, %d at a time", compiled, time.perf_counter() - t0,
+                     self.config.compile_workers)
 
     def prefill_time(self, specs: list[RunSpec]) -> float:
         """Prefill-only call (max_new_tokens=1) of these runs' prompts together (one, or a batch of
@@ -424,24 +460,28 @@ def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> 
     ar_tokens = {(line["benchmark"], line["id"], line["temperature"]): line["token_ids"]
                  for line in existing if line["method"] == "ar" and "token_ids" in line}
     evaluator = Evaluator(config, target, heads, run_index, ar_tokens, settings["matmul_precision"])
+    wanted = {s.key for s in todo}
     with ResultsWriter(config.results) as writer, tqdm(total=len(specs), initial=len(specs) - len(todo),
                                                        disable=not config.progress, desc="eval") as bar:
+        batches = ([[s] for s in todo] if config.batch == 1 else
+                   [b for b in plan_batches(specs, config.batch, evaluator.batch_width)
+                    if any(s.key in wanted for s in b)])
+        evaluator.compile_plan(batches)
         if config.batch == 1:
             for spec in todo:
                 bar.set_postfix_str(f"{spec.item.benchmark} {spec.item.id} {spec.method} {spec.budget or ''}")
                 writer.write(evaluator.run(spec))
                 bar.update()
         else:
-            run_batches(evaluator, specs, {s.key for s in todo}, writer, bar)
+            run_batches(evaluator, batches, wanted, writer, bar)
     return {"written": len(todo), "skipped": len(specs) - len(todo)}
 
 
-def run_batches(evaluator: Evaluator, specs: list[RunSpec], wanted: set[tuple], writer: ResultsWriter,
+def run_batches(evaluator: Evaluator, batches: list[list[RunSpec]], wanted: set[tuple], writer: ResultsWriter,
                 bar) -> None:
-    """Runs each batch that holds a run the results file lacks, writing only the lacking lines."""
-    for batch in plan_batches(specs, evaluator.config.batch, evaluator.batch_width):
-        if not any(s.key in wanted for s in batch):
-            continue
+    """Runs the batches (of plan_batches, each holding a run the results file lacks), writing only the
+    lacking lines."""
+    for batch in batches:
         first = batch[0]
         bar.set_postfix_str(f"{first.item.benchmark} {first.method} {first.budget or ''} "
                             f"batch of {len(batch)}")

@@ -13,6 +13,7 @@ the serving engine (serve/engine.py), one prompt after another.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import math
 import sys
@@ -124,21 +125,58 @@ def plan_cache_len(prompt_width: int, longest_prompt: int, max_new_tokens: int, 
 
 
 _COMPILED: dict[Any, Any] = {}
+_AHEAD: dict[Any, tuple[Any, float]] = {}  # compiled by compile_ahead, not run yet: (executable, seconds)
+
+
+def call_signature(fn, args: tuple, static: dict[str, Any]) -> tuple:
+    """What one compiled executable serves: the function, the arguments' shapes and dtypes, the statics."""
+    return (fn, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)), jax.tree.structure(args),
+            tuple(sorted(static.items())))
 
 
 def compiled_call(fn, args: tuple, static: dict[str, Any]):
     """Runs a jitted function through an explicitly compiled executable, cached by shapes and static
-    arguments, so compile time and run time are reported separately. Returns (out, compile_s, run_s)."""
-    signature = (fn, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
-                 jax.tree.structure(args), tuple(sorted(static.items())))
+    arguments, so compile time and run time are reported separately. Returns (out, compile_s, run_s);
+    compile_s > 0 on an executable's first run, also when compile_ahead compiled it (its seconds there)."""
+    signature = call_signature(fn, args, static)
     compile_s = 0.0
     if signature not in _COMPILED:
-        t0 = time.perf_counter()
-        _COMPILED[signature] = fn.lower(*args, **static).compile()
-        compile_s = time.perf_counter() - t0
+        if signature in _AHEAD:
+            _COMPILED[signature], compile_s = _AHEAD.pop(signature)
+        else:
+            t0 = time.perf_counter()
+            _COMPILED[signature] = fn.lower(*args, **static).compile()
+            compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = jax.block_until_ready(_COMPILED[signature](*args))
     return out, compile_s, time.perf_counter() - t0
+
+
+def compile_ahead(calls: Sequence["GenerateCall"], workers: int) -> int:
+    """Compiles the programs of `calls` that have none yet, `workers` at a time, and returns how many.
+    Tracing and lowering hold the GIL, so they run here one by one while XLA compiles the lowered ones
+    in a thread pool (it releases the GIL); at most 2 x workers lowered modules wait at once."""
+    pending = {}
+    for call in calls:
+        signature = call_signature(call.fn, call.args, call.static)
+        if signature not in _COMPILED and signature not in _AHEAD:
+            pending.setdefault(signature, call)
+
+    def compile_one(signature, lowered, lower_s: float) -> None:
+        t0 = time.perf_counter()
+        _AHEAD[signature] = (lowered.compile(), lower_s + time.perf_counter() - t0)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jetspec-compile") as pool:
+        futures: list[concurrent.futures.Future] = []
+        for signature, call in pending.items():
+            while sum(not f.done() for f in futures) >= 2 * max(1, workers):
+                concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+            t0 = time.perf_counter()
+            lowered = call.fn.lower(*call.args, **call.static)
+            futures.append(pool.submit(compile_one, signature, lowered, time.perf_counter() - t0))
+        for future in futures:
+            future.result()
+    return len(pending)
 
 
 def stop_tokens(target: Target) -> tuple[int, ...]:
@@ -179,25 +217,28 @@ def random_head(target: Target, attention: str, seed: int = 0):
     return cfg, init_params(draft_head.param_specs(cfg), jax.random.key(seed), target.params["embed"].dtype)
 
 
-def generate(prompts: Sequence[str] | str, target: Target | None = None, *, method: str = "ar",
-             head: tuple[draft_head.DraftConfig, Any] | None = None, budget: int = 64, width: int = 7,
-             max_depth: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
-             system_prompt: str | None = None, max_cache_len: int | None = None,
-             attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET,
-             tree_temperature: float = 1.0, gemm_backend: str = "xla", candidate_budget: int | None = None,
-             conditioned_width: int | None = None) -> GenerationResult:
-    """Generation for a batch of prompts (greedy when temperature == 0).
+@dataclasses.dataclass(frozen=True)
+class GenerateCall:
+    """One device call of `generate`: the jitted function, its arguments and statics, and what the
+    result needs (the target's tokenizer, the prompts' token ids)."""
+    fn: Any
+    args: tuple
+    static: dict[str, Any]
+    method: str
+    target: Target
+    prompt_ids: list[list[int]]
 
-    method "ar" decodes token by token; "jetspec", "jetspec-tc", "ddtree" and "dflash" decode
-    speculatively with `head` = (DraftConfig, params) and give the same tokens at temperature 0 and
-    the same distribution at temperature > 0. `attention` picks the attention path of decode steps and verify
-    passes (see qwen3.ATTENTION_IMPLS; "auto" is a Pallas tree kernel on GPU). Prompts are
-    right-padded to a multiple of `prompt_bucket`: a larger bucket means fewer shapes to compile.
-    `tree_temperature` divides the head's logits before the tree is scored and `gemm_backend` picks
-    the speculative loop's GEMM library on GPU; `candidate_budget` and `conditioned_width` are
-    jetspec-tc's (all SpecConfig).
-    """
+
+def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None, *, method: str = "ar",
+                     head: tuple[draft_head.DraftConfig, Any] | None = None, budget: int = 64, width: int = 7,
+                     max_depth: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
+                     system_prompt: str | None = None, max_cache_len: int | None = None,
+                     attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET,
+                     tree_temperature: float = 1.0, gemm_backend: str = "xla", candidate_budget: int | None = None,
+                     conditioned_width: int | None = None) -> GenerateCall:
+    """The device call `generate` makes for these prompts and options (see `generate`), not run: what
+    `compile_ahead` compiles. Raises on bad settings as `generate` does."""
     if method != "ar" and method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
     target = load_target() if target is None else target
@@ -211,33 +252,51 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, *, meth
     if method == "ar":
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                    target.cfg.max_position_embeddings, max_cache_len)
-        out, compile_s, run_s = compiled_call(generate_tokens, (target.params, tokens, lengths, key),
-                                              dict(cfg=target.cfg, gen=gen, cache_len=cache_len,
-                                                   attention=attention))
-        stats = {}
-    else:
-        if head is None:
-            raise ValueError(f"method {method!r} needs a draft head (head=(config, params))")
-        head_cfg, head_params = head
-        drafter = HeadDrafter(head_cfg, target.cfg)
-        spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
-                          gemm_backend=gemm_backend, candidate_budget=candidate_budget,
-                          conditioned_width=conditioned_width)
-        check_head_attention(spec, head_cfg)
-        extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
-        cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
-                                   target.cfg.max_position_embeddings, max_cache_len, extra=extra)
-        out, compile_s, run_s = compiled_call(
-            jitted_generate(spec.gemm_backend), (target.params, head_params, tokens, lengths, key),
-            dict(cfg=target.cfg, drafter=drafter, spec=spec, gen=gen, cache_len=cache_len))
+        return GenerateCall(generate_tokens, (target.params, tokens, lengths, key),
+                            dict(cfg=target.cfg, gen=gen, cache_len=cache_len, attention=attention), method,
+                            target, prompt_ids)
+    if head is None:
+        raise ValueError(f"method {method!r} needs a draft head (head=(config, params))")
+    head_cfg, head_params = head
+    drafter = HeadDrafter(head_cfg, target.cfg)
+    spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
+                      gemm_backend=gemm_backend, candidate_budget=candidate_budget,
+                      conditioned_width=conditioned_width)
+    check_head_attention(spec, head_cfg)
+    extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
+    cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
+                               target.cfg.max_position_embeddings, max_cache_len, extra=extra)
+    return GenerateCall(jitted_generate(spec.gemm_backend), (target.params, head_params, tokens, lengths, key),
+                        dict(cfg=target.cfg, drafter=drafter, spec=spec, gen=gen, cache_len=cache_len), method,
+                        target, prompt_ids)
+
+
+def generate(prompts: Sequence[str] | str, target: Target | None = None, **options) -> GenerationResult:
+    """Generation for a batch of prompts (greedy when temperature == 0).
+
+    Options (keywords, see `prepare_generate` for the defaults): method "ar" decodes token by token;
+    "jetspec", "jetspec-tc", "ddtree" and "dflash" decode speculatively with `head` = (DraftConfig,
+    params) and give the same tokens at temperature 0 and the same distribution at temperature > 0
+    (`budget`, `width`, `max_depth`). `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`;
+    `chat` applies the chat template (with `system_prompt`); `max_cache_len` fixes the cache size.
+    `attention` picks the attention path of decode steps and verify passes (see qwen3.ATTENTION_IMPLS;
+    "auto" is a Pallas tree kernel on GPU). Prompts are right-padded to a multiple of `prompt_bucket`:
+    a larger bucket means fewer shapes to compile. `tree_temperature` divides the head's logits before
+    the tree is scored and `gemm_backend` picks the speculative loop's GEMM library on GPU;
+    `candidate_budget` and `conditioned_width` are jetspec-tc's (all SpecConfig).
+    """
+    call = prepare_generate(prompts, target, **options)
+    out, compile_s, run_s = compiled_call(call.fn, call.args, call.static)
+    stats = {}
+    if call.method != "ar":
         stats = dict(target_forwards=int(np.sum(out.target_forwards)),
                      accept_counts=np.asarray(out.accept_counts).sum(0).tolist(),
                      sequence_forwards=np.asarray(out.target_forwards).tolist(),
                      sequence_accept_counts=np.asarray(out.accept_counts).tolist())
     generated = trim_generated(np.asarray(out.tokens), np.asarray(out.num_tokens))
-    return GenerationResult(texts=decode_texts(target.tokenizer, generated), token_ids=generated,
-                            prompt_token_ids=prompt_ids, compile_seconds=compile_s, generate_seconds=run_s,
-                            method=method, **stats)
+    return GenerationResult(texts=decode_texts(call.target.tokenizer, generated), token_ids=generated,
+                            prompt_token_ids=call.prompt_ids, compile_seconds=compile_s, generate_seconds=run_s,
+                            method=call.method, **stats)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+import jetspec_jax.generate as generate_module
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main
 from jetspec_jax.eval.heads import resolve_heads
@@ -204,6 +205,7 @@ def test_methods_without_a_head_are_skipped_with_a_warning(finished_run, caplog,
     (["--budgets", "1"], "budget must be >= 2"),
     (["--prompt-bucket", "0"], "prompt_bucket must be >= 1"),
     (["--batch", "0"], "batch must be >= 1"),
+    (["--compile-workers", "-1"], "compile_workers must be >= 0"),
     (["--tree-temperature", "0"], "tree_temperature must be a positive number, got 0"),
     (["--gemm-backend", "cudnn"], "invalid choice: 'cudnn'"),
     (["--heads", "jetspec=/no/such/head"], "no draft head at /no/such/head"),
@@ -240,22 +242,49 @@ def spy_generate(monkeypatch, calls: list) -> None:
     monkeypatch.setattr(runner, "generate", spy)
 
 
+def spy_compiles(monkeypatch, events: list) -> None:
+    """Records ("ahead", programs compiled) for each compile_ahead and, for each generation call, ("call",
+    whether its program was compiled before the call)."""
+    real_ahead, real_call = runner.compile_ahead, generate_module.compiled_call
+
+    def ahead(calls, workers):
+        compiled = real_ahead(calls, workers)
+        events.append(("ahead", compiled))
+        return compiled
+
+    def call(fn, args, static):
+        signature = generate_module.call_signature(fn, args, static)
+        events.append(("call", signature in generate_module._COMPILED or signature in generate_module._AHEAD))
+        return real_call(fn, args, static)
+    monkeypatch.setattr(runner, "compile_ahead", ahead)
+    monkeypatch.setattr(generate_module, "compiled_call", call)
+
+
 @pytest.fixture(scope="module")
 def batched_run(finished_run, tmp_path_factory):
     """gsm8k's first three prompts (one padded width) at --batch 2: a batch of prompts 0 and 1, then 2 and a
     copy of it that fills the batch; prompts 0 and 1 also ran alone in finished_run."""
     results = tmp_path_factory.mktemp("eval-batched") / "results.jsonl"
-    calls = []
+    calls, compiles = [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner, "load_target", lambda *args, **kwargs: finished_run[1])
         spy_generate(mp, calls)
+        spy_compiles(mp, compiles)
         assert main(BATCH_ARGS + ["--results", str(results)]) == 0
-    return results, calls
+    return results, calls, compiles
+
+
+def test_programs_compile_before_the_timed_calls(batched_run):
+    """Four programs at batch 2 (AR and jetspec, each with its prefill-only call), compiled ahead in
+    parallel; no generation call compiles its own."""
+    _, calls, compiles = batched_run
+    assert compiles[0] == ("ahead", 4)
+    assert [e for e in compiles if e[0] == "call"] == [("call", True)] * len(calls)
 
 
 def test_batched_lines_equal_batch_one_lines_in_fp32(finished_run, batched_run):
     """Per-sequence tokens, tau and acceptance do not depend on the batch; timings are the batch's."""
-    results, calls = batched_run
+    results, calls, _ = batched_run
     assert ("ar", 2, 12) in calls and ("jetspec", 2, 12) in calls and ("jetspec", 2, 1) in calls
     assert {size for _, size, _ in calls} == {2}  # the short batch is filled: one program per width
     alone = {line_key(line): line for line in read_lines(str(finished_run[0]))}
@@ -278,7 +307,7 @@ def test_batched_lines_equal_batch_one_lines_in_fp32(finished_run, batched_run):
 
 
 def test_batched_rerun_writes_nothing(batched_run, monkeypatch):
-    results, _ = batched_run
+    results = batched_run[0]
     before = results.read_text()
     monkeypatch.setattr(runner, "generate", lambda *a, **k: pytest.fail("a finished run generated again"))
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a finished run loaded the model"))
@@ -289,7 +318,7 @@ def test_batched_rerun_writes_nothing(batched_run, monkeypatch):
 def test_interrupted_batched_run_completes_without_duplicates(finished_run, batched_run, tmp_path, monkeypatch):
     """Lost: jetspec's prompt 1 (its batch with prompt 0 reruns whole, writing only prompt 1's line) and a
     torn prompt 2."""
-    results, _ = batched_run
+    results = batched_run[0]
     lines = results.read_text().splitlines(keepends=True)
     partial = tmp_path / "results.jsonl"
     partial.write_text("".join(lines[:4]) + lines[5][:40])

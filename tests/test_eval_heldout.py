@@ -172,8 +172,8 @@ def test_runner_pads_each_prompt_alone_and_records_prompts_that_do_not_fit(tiny_
 
 
 def test_batches_hold_prompts_of_one_padded_width(tiny_gguf, tiny_target, tmp_path, monkeypatch):
-    """--batch 2: the two short prompts share a call, the long one (another width) runs in its own, and the
-    one too long for the model gets its error line and no call."""
+    """--batch 2: the two short prompts share a call, the long one (another width) runs in its own, filled up
+    to 2 with a copy, and the one too long for the model gets its error line and no call."""
     short, other, long, too_long = "Why?", "How?", "Why " + "so " * 100 + "?", "Why " + "very " * 120 + "?"
     data_dir, ids = open_qa_dir(tmp_path / "data", [short, long, other, too_long])
     compiled = []  # (batch, padded prompt width, max_new_tokens) of every generation call
@@ -189,7 +189,7 @@ def test_batches_hold_prompts_of_one_padded_width(tiny_gguf, tiny_target, tmp_pa
     assert main(["run", "--benchmarks", "open_qa", "--data-dir", data_dir, "--model", tiny_gguf, "--methods", "ar",
                  "--max-new-tokens", "4", "--batch", "2", "--results", str(results), "--no-progress",
                  "--no-cache"]) == 0
-    assert sorted(set(compiled)) == [(1, 384, 1), (1, 384, 4), (2, 64, 1), (2, 64, 4)]
+    assert sorted(set(compiled)) == [(2, 64, 1), (2, 64, 4), (2, 384, 1), (2, 384, 4)]
     lines = {line["id"]: line for line in read_lines(str(results))}
     assert [lines[i]["batch_size"] for i in ids[:3]] == [2, 1, 2] and lines[ids[3]]["batch"] == 2
     assert "skipped for every method" in lines[ids[3]]["error"] and "batch_size" not in lines[ids[3]]
