@@ -111,7 +111,8 @@ def main():
     p.add_argument("--attention", nargs="+", default=["xla"], choices=ATTENTION_IMPLS,
                    help="verify attention paths to time")
     p.add_argument("--draft-attention", nargs="+", default=["xla"], choices=DRAFT_ATTENTION_IMPLS,
-                   help="the head's attention paths to time (the first is the step's; the others add draft_ms_*)")
+                   help="the head's attention paths to time (the first is the step's and jetspec-tc's second "
+                        "pass's; the others add draft_ms_*)")
     p.add_argument("--gemm-backends", nargs="+", default=["xla"], choices=list(GEMM_BACKENDS),
                    help="the generation loop's GEMM backends to time the whole step with (embedded target; "
                         "the first is loop_step_ms, the others add loop_step_ms_*); the stages keep XLA's")
@@ -122,7 +123,10 @@ def main():
 
     dtype = default_dtype()
     cfg, params, head_cfg, head, description = load_models(args, dtype)
-    drafter = HeadDrafter(head_cfg, cfg, attention_impl=args.draft_attention[0])
+    # the kernel path keeps rows free for the largest tree-causal pass, so that it runs there too
+    tree_slots = max((2 * method_spec(args, "jetspec-tc", b).conditioned_nodes(head_cfg.max_depth)
+                      for b in args.budgets if "jetspec-tc" in args.methods), default=0)
+    drafter = HeadDrafter(head_cfg, cfg, attention_impl=args.draft_attention[0], tree_slots=tree_slots)
     depth, taps_wanted = head_cfg.max_depth, head_cfg.tap_layers
     b = args.batch
     payload = dict(benchmark="spec_step_breakdown", model=description, batch=b, width=args.width,
@@ -204,15 +208,21 @@ class ContextState:
         return self.drafter.max_depth
 
 
+def method_spec(args, method: str, budget: int, impl: str = "auto") -> SpecConfig:
+    """The step's settings for one row (jetspec-tc: a candidate tree of candidate_factor x budget)."""
+    tc = method == "jetspec-tc"
+    return SpecConfig(method, budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
+                      compact_impl=args.compactions[0], candidate_budget=args.candidate_factor * budget if tc else None,
+                      conditioned_width=args.conditioned_width if tc else None)
+
+
 def stage_row(st: ContextState, budget: int, impl: str, method: str = "jetspec") -> dict:
     """Tree build, verify and accept+commit times (ms) at one budget and verify attention path (for
     jetspec-tc also its second head pass and re-selection), plus the whole step inside
     speculative_generate for the embedded target."""
     args, cfg, taps_wanted = st.args, st.cfg, st.drafter.cfg.tap_layers
     tc = method == "jetspec-tc"
-    spec = SpecConfig(method, budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
-                      compact_impl=args.compactions[0], candidate_budget=args.candidate_factor * budget if tc else None,
-                      conditioned_width=args.conditioned_width if tc else None)
+    spec = method_spec(args, method, budget, impl)
     tree_budget = spec.candidates if tc else budget  # jetspec-tc: this stage builds the candidate tree
 
     def make_tree(logits, anchor, builder=args.tree_builders[0]):

@@ -4,6 +4,7 @@ runs the method. (Its T=0 and T>0 losslessness tests run with the other methods'
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import os
 
@@ -98,11 +99,35 @@ def test_tree_pass_equals_each_path_alone(head_and_context):
             np.testing.assert_allclose(got[b, i], want, rtol=1e-5, atol=1e-5, err_msg=f"sequence {b}, node {i}")
     per_depth = draft_head.draft_logits(head, target.params, target.cfg, anchor, ctx, cfg, num_depths=1)
     np.testing.assert_allclose(got[:, 0], np.asarray(per_depth)[:, 0], rtol=1e-5, atol=1e-5)
-    # the tree-attention kernel (interpreted) gives the same logits
-    small = (jnp.asarray(tokens[:, :4]), jnp.asarray(depths[:, :4]), ancestors[:, :4, :4])
-    kernel = draft_head.tree_logits(head, target.params, target.cfg, *small, ctx, cfg,
-                                    attention_impl="pallas_interpret")
-    np.testing.assert_allclose(np.asarray(kernel), got[:, :4], rtol=1e-4, atol=1e-4)
+    # the tree-attention kernel (interpreted) gives the same logits; its 20 slots fit the context's spare rows
+    kernel = draft_head.tree_logits(head, target.params, target.cfg, jnp.asarray(tokens), jnp.asarray(depths),
+                                    ancestors, ctx, cfg, attention_impl="pallas_interpret")
+    np.testing.assert_allclose(np.asarray(kernel), got, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_pass_takes_the_kernel_where_the_drafter_keeps_rows(head_and_context, monkeypatch):
+    """A tree-causal pass larger than the block runs on the kernel path when the drafter keeps rows for it
+    (tree_slots), and falls back to the dense mask when it does not."""
+    target, drafter, head, ctx, anchor = head_and_context
+    paths = []
+    real = draft_head.tree_logits
+
+    def spy(*args, attention_impl="xla", **kwargs):
+        paths.append(attention_impl)
+        return real(*args, attention_impl=attention_impl, **kwargs)
+    monkeypatch.setattr(draft_head, "tree_logits", spy)
+    parents = np.stack([random_parents(np.random.default_rng(b), 10) for b in range(2)])
+    depths = jnp.asarray(np.stack([depths_of(p) for p in parents]))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, target.cfg.vocab_size, (2, 10)), jnp.int32)
+    ancestors = ancestor_mask(jnp.asarray(parents), int(depths.max()))
+    kernel = dataclasses.replace(drafter, attention_impl="pallas_interpret")
+    roomy = dataclasses.replace(kernel, tree_slots=20)  # 2 x 10 slots; the context's 32 rows hold 11 + 20
+    assert kernel.kernel_rows == drafter.cfg.block_size < 20 == roomy.kernel_rows
+    out = [d.propose_tree(head, ctx, target.params, None, tokens, depths, ancestors) for d in (kernel, roomy)]
+    assert paths == ["xla", "pallas_interpret"]
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(out[0]), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="tree_slots must be >= 0"):
+        dataclasses.replace(drafter, tree_slots=-1)
 
 
 # ---- re-selection against a plain best-first reference ----
