@@ -169,8 +169,9 @@ def compile_ahead(calls: Sequence["GenerateCall"], workers: int) -> int:
     with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jetspec-compile") as pool:
         futures: list[concurrent.futures.Future] = []
         for signature, call in pending.items():
-            while sum(not f.done() for f in futures) >= 2 * max(1, workers):
-                concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+            running = [f for f in futures if not f.done()]
+            if len(running) >= 2 * max(1, workers):
+                concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             t0 = time.perf_counter()
             lowered = call.fn.lower(*call.args, **call.static)
             futures.append(pool.submit(compile_one, signature, lowered, time.perf_counter() - t0))

@@ -114,8 +114,9 @@ class WarmUp:
             futures: list[concurrent.futures.Future] = []
             try:
                 for program in self.programs:
-                    while sum(not f.done() for f in futures) >= 2 * self.workers and not stop():
-                        concurrent.futures.wait(futures, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED)
+                    while len(running := [f for f in futures if not f.done()]) >= 2 * self.workers and not stop():
+                        # only the running ones: a finished future in the list would end every wait at once
+                        concurrent.futures.wait(running, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED)
                     if stop() or failed.is_set():
                         break
                     lowered[program] = self.engine.lower_program(program)
