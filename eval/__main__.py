@@ -14,7 +14,7 @@ import sys
 from jetspec_jax import cache
 from jetspec_jax.errors import OneLineErrorParser, run_command
 from jetspec_jax.generate import PROMPT_BUCKET
-from jetspec_jax.speculative import ATTENTION_IMPLS, GEMM_BACKENDS
+from jetspec_jax.speculative import ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, GEMM_BACKENDS
 from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
 from .datasets import BENCHMARKS
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "a throughput speedup against AR at the same batch; the latency speedup needs the "
                           "default, 1. A short batch is filled up to N with copies of its last prompt (one compiled "
                           "program per width). One batch size per results file")
+    run.add_argument("--draft-attention", choices=DRAFT_ATTENTION_IMPLS, default="xla",
+                     help="the draft head's attention: xla (a dense mask over its context buffer) or pallas (the "
+                          "tree kernel on GPU, jetspec-tc's second pass too; pallas_interpret on CPU)")
     run.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                      help="attention of AR decode steps and verify passes (auto: Pallas kernel on GPU)")
     run.add_argument("--seed", type=int, default=0)
@@ -131,6 +134,7 @@ def eval_command(argv=None) -> int:
             benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
             temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
             width=args.width, tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend,
+            draft_attention=args.draft_attention,
             attention=args.attention, prompt_bucket=args.prompt_bucket, batch=args.batch, seed=args.seed,
             data_dir=args.data_dir, results=args.results, head_dirs=parse_heads(args.heads),
             heads_label=args.heads_label, allow_untrained=args.allow_untrained, model=args.model,

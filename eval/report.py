@@ -81,10 +81,10 @@ def ratio(num: float, den: float) -> float | None:
 
 
 def check_one_setup(rows: list[dict], group: str) -> None:
-    """A group's tau and speedup describe one draft head, one tree scoring and one GEMM backend: lines
-    of two heads under one head-set label (files of an older and a newer head given together, whose
-    later lines replace only the prompts they share), of two tree temperatures or of two GEMM backends
-    are refused."""
+    """A group's tau and speedup describe one draft head, one tree scoring, one GEMM backend and one draft
+    attention: lines of two heads under one head-set label (files of an older and a newer head given
+    together, whose later lines replace only the prompts they share), of two tree temperatures, GEMM
+    backends or draft attentions are refused."""
     shas = sorted({r["head_sha256"] for r in rows if r.get("head_sha256")})
     if len(shas) > 1:
         raise ValueError(f"the results hold {len(shas)} draft heads in one group ({group}): sha256 "
@@ -92,7 +92,8 @@ def check_one_setup(rows: list[dict], group: str) -> None:
                          "to compare them, or report each head's results files separately")
     # AR and chain lines carry None, as do lines from before a setting was recorded: its default
     for field, default, what in (("tree_temperature", 1.0, "tree temperatures"),
-                                 ("gemm_backend", "xla", "GEMM backends")):
+                                 ("gemm_backend", "xla", "GEMM backends"),
+                                 ("draft_attention", "xla", "draft attentions")):
         values = sorted({r.get(field) or default for r in rows})
         if len(values) > 1:
             raise ValueError(f"the results hold {what} {', '.join(map(str, values))} in one group ({group}); "
@@ -358,7 +359,8 @@ def header(paths: list[str], metas: list[dict], groups: list[dict], labels: list
                    f"(matmul precision {settings.get('matmul_precision')}), "
                    f"max_new_tokens {settings.get('max_new_tokens')}, width {settings.get('width')}, "
                    f"tree temperature {settings.get('tree_temperature', 1.0)}, "
-                   f"GEMM backend {settings.get('gemm_backend', 'xla')}, seed {settings.get('seed')}"
+                   f"GEMM backend {settings.get('gemm_backend', 'xla')}, "
+                   f"draft attention {settings.get('draft_attention', 'xla')}, seed {settings.get('seed')}"
                    + (f", head set {settings['heads_label']}" if "heads_label" in settings else "")
                    + (f", batch {settings['batch']}" if settings.get("batch", 1) > 1 else ""))
         for run in meta.get("runs", []):

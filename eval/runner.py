@@ -21,8 +21,8 @@ from tqdm import tqdm
 from jetspec_jax.generate import (PROMPT_BUCKET, GenerateCall, compile_ahead, encode_prompts, generate, pad_prompts,
                                   plan_cache_len, prepare_generate, stop_tokens)
 from jetspec_jax.models import draft_head
-from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_gemm_backend, check_tree_temperature,
-                                     speculative_cache_rows)
+from jetspec_jax.speculative import (ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, SpecConfig, check_gemm_backend,
+                                     check_tree_temperature, speculative_cache_rows)
 from jetspec_jax.target import Target, default_dtype, load_target, target_identity
 
 from .datasets import BENCHMARKS, EvalItem, load_benchmark
@@ -55,6 +55,7 @@ class EvalConfig:
     width: int = 7
     tree_temperature: float = 1.0  # the tree methods' scoring temperature (SpecConfig)
     gemm_backend: str = "xla"  # the speculative methods' GEMM library on GPU (SpecConfig); AR keeps XLA's
+    draft_attention: str = "xla"  # the head's attention (speculative.DRAFT_ATTENTION_IMPLS)
     attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
     prompt_bucket: int = PROMPT_BUCKET  # each prompt pads to its own multiple of this: larger, fewer compiles
     batch: int = 1  # > 1: up to this many prompts of one padded width per generation call (throughput)
@@ -81,6 +82,12 @@ class EvalConfig:
             problems.append(f"prompt_bucket must be >= 1, got {self.prompt_bucket}")
         if self.batch < 1:
             problems.append(f"batch must be >= 1, got {self.batch}")
+        if self.draft_attention not in DRAFT_ATTENTION_IMPLS:
+            problems.append(f"draft_attention must be one of {', '.join(DRAFT_ATTENTION_IMPLS)}, got "
+                            f"{self.draft_attention!r}")
+        elif self.draft_attention == "pallas" and jax.default_backend() != "gpu":
+            problems.append(f"draft_attention 'pallas' runs only on a GPU (this backend is {jax.default_backend()}); "
+                            "use 'xla', or 'pallas_interpret' for the kernel's semantics")
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures
@@ -237,7 +244,8 @@ class Evaluator:
         """The options of a generation call (generate / prepare_generate) of this run."""
         tree = {} if budget is None else {"budget": budget, "width": self.config.width,
                                           "tree_temperature": self.config.tree_temperature,
-                                          "gemm_backend": self.config.gemm_backend}
+                                          "gemm_backend": self.config.gemm_backend,
+                                          "draft_attention": self.config.draft_attention}
         return dict(method=method, head=self.head(method), **tree, attention=self.config.attention,
                     prompt_bucket=self.config.prompt_bucket, max_new_tokens=max_new_tokens,
                     temperature=temperature, seed=self.config.seed, max_cache_len=cache_len)
@@ -317,6 +325,7 @@ class Evaluator:
                 "width": config.width if tree_method else None,
                 "tree_temperature": config.tree_temperature if tree_method else None,
                 "gemm_backend": config.gemm_backend if method != "ar" else None,
+                "draft_attention": config.draft_attention if method != "ar" else None,
                 "attention": config.attention,
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
@@ -413,7 +422,8 @@ def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: st
     return {"target": target_name, "dtype": dtype, "matmul_precision": precision,
             "heads_label": run_heads_label(config, heads),
             "max_new_tokens": config.max_new_tokens, "width": config.width,
-            "tree_temperature": config.tree_temperature, "gemm_backend": config.gemm_backend, "seed": config.seed,
+            "tree_temperature": config.tree_temperature, "gemm_backend": config.gemm_backend,
+            "draft_attention": config.draft_attention, "seed": config.seed,
             "attention": config.attention, "prompt_bucket": config.prompt_bucket, "batch": config.batch}
 
 

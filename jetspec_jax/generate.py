@@ -237,7 +237,7 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
                      system_prompt: str | None = None, max_cache_len: int | None = None,
                      attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET,
                      tree_temperature: float = 1.0, gemm_backend: str = "xla", candidate_budget: int | None = None,
-                     conditioned_width: int | None = None) -> GenerateCall:
+                     conditioned_width: int | None = None, draft_attention: str = "xla") -> GenerateCall:
     """The device call `generate` makes for these prompts and options (see `generate`), not run: what
     `compile_ahead` compiles. Raises on bad settings as `generate` does."""
     if method != "ar" and method not in METHODS:
@@ -259,10 +259,15 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     if head is None:
         raise ValueError(f"method {method!r} needs a draft head (head=(config, params))")
     head_cfg, head_params = head
-    drafter = HeadDrafter(head_cfg, target.cfg)
+    if draft_attention == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"draft attention 'pallas' runs only on a GPU (this backend is {jax.default_backend()}); "
+                         "use 'xla', or 'pallas_interpret' for the kernel's semantics")
     spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
                       gemm_backend=gemm_backend, candidate_budget=candidate_budget,
                       conditioned_width=conditioned_width)
+    drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention)
+    if spec.tree_causal and draft_attention != "xla":  # rows for the second pass, so that it runs on the kernel too
+        drafter = dataclasses.replace(drafter, tree_slots=2 * spec.conditioned_nodes(spec.depth(drafter.max_depth)))
     check_head_attention(spec, head_cfg)
     extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
     cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
@@ -284,7 +289,9 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, **optio
     "auto" is a Pallas tree kernel on GPU). Prompts are right-padded to a multiple of `prompt_bucket`:
     a larger bucket means fewer shapes to compile. `tree_temperature` divides the head's logits before
     the tree is scored and `gemm_backend` picks the speculative loop's GEMM library on GPU;
-    `candidate_budget` and `conditioned_width` are jetspec-tc's (all SpecConfig).
+    `candidate_budget` and `conditioned_width` are jetspec-tc's (all SpecConfig). `draft_attention` is
+    the head's attention: "xla" (a dense mask over the head's context buffer) or "pallas" (the tree
+    kernel on GPU, reading each sequence's own rows; jetspec-tc's second pass too).
     """
     call = prepare_generate(prompts, target, **options)
     out, compile_s, run_s = compiled_call(call.fn, call.args, call.static)

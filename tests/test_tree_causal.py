@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from drafters import TargetGreedyDrafter, random_head
-from test_speculative import PROMPTS, run_spec
+from test_speculative import PROMPTS, run_ar, run_spec
 
 from jetspec_jax.autoregressive import GenerationConfig, prefill
 from jetspec_jax.models import draft_head
@@ -236,6 +236,22 @@ def test_branches_conditioned_on_their_own_tokens_accept_more(tiny_qwen3):
                                                        SpecConfig(method, 16, 4), key=3)))
            for method in ("jetspec", "jetspec-tc")}
     assert tau["jetspec-tc"] > tau["jetspec"] + 0.05, tau
+
+
+def test_second_pass_on_the_kernel_is_lossless_at_t0(tiny_qwen3):
+    """jetspec-tc with the head's tree kernel (interpreted) for both passes, rows kept for the second one
+    (as generate sizes them): the output is AR's."""
+    target, _ = tiny_qwen3
+    gen = GenerationConfig(max_new_tokens=12)
+    drafter, head = random_head(target.cfg, jax.random.key(1), attention="causal")
+    spec = SpecConfig("jetspec-tc", 8, 3)
+    slots = 2 * spec.conditioned_nodes(spec.depth(drafter.max_depth))
+    assert slots > drafter.cfg.block_size  # the pass the dense path used to take
+    kernel = dataclasses.replace(drafter, attention_impl="pallas_interpret", tree_slots=slots)
+    want, want_n = run_ar(target, PROMPTS[:2], gen)
+    out = run_spec(target, kernel, head, PROMPTS[:2], gen, spec)
+    np.testing.assert_array_equal(np.asarray(out.num_tokens), want_n)
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
 
 
 def test_tree_causal_needs_a_causal_head_and_a_tree_pass(tiny_qwen3):
