@@ -13,7 +13,6 @@ the serving engine (serve/engine.py), one prompt after another.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import math
 import sys
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 
 from jetspec_jax import cache
+from jetspec_jax.compilation import compile_in_parallel
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.loading.head_checkpoint import load_head, no_head_message, packaged_head_path, verify_head_files
@@ -153,30 +153,22 @@ def compiled_call(fn, args: tuple, static: dict[str, Any]):
 
 
 def compile_ahead(calls: Sequence["GenerateCall"], workers: int) -> int:
-    """Compiles the programs of `calls` that have none yet, `workers` at a time, and returns how many.
-    Tracing and lowering hold the GIL, so they run here one by one while XLA compiles the lowered ones
-    in a thread pool (it releases the GIL); at most 2 x workers lowered modules wait at once."""
+    """Compiles the programs of `calls` that have none yet, `workers` at a time (compile_in_parallel), for
+    compiled_call to run; returns how many."""
     pending = {}
     for call in calls:
         signature = call_signature(call.fn, call.args, call.static)
         if signature not in _COMPILED and signature not in _AHEAD:
             pending.setdefault(signature, call)
 
-    def compile_one(signature, lowered, lower_s: float) -> None:
-        t0 = time.perf_counter()
-        _AHEAD[signature] = (lowered.compile(), lower_s + time.perf_counter() - t0)
+    def lower(signature):
+        call = pending[signature]
+        return call.fn.lower(*call.args, **call.static)
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jetspec-compile") as pool:
-        futures: list[concurrent.futures.Future] = []
-        for signature, call in pending.items():
-            running = [f for f in futures if not f.done()]
-            if len(running) >= 2 * max(1, workers):
-                concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-            t0 = time.perf_counter()
-            lowered = call.fn.lower(*call.args, **call.static)
-            futures.append(pool.submit(compile_one, signature, lowered, time.perf_counter() - t0))
-        for future in futures:
-            future.result()
+    def compiled(signature, executable, seconds: float) -> None:
+        _AHEAD[signature] = (executable, seconds)
+
+    compile_in_parallel(pending, lower, compiled, workers)
     return len(pending)
 
 

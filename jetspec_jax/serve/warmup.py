@@ -3,7 +3,6 @@ so that no request waits for a compilation; and `CompileWatch`, which counts wha
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import sys
 import threading
@@ -12,6 +11,8 @@ from typing import Callable
 
 from jax import monitoring
 from tqdm import tqdm
+
+from jetspec_jax.compilation import compile_in_parallel
 
 # jax's own events (jax/_src/dispatch.py): tracing, lowering to MLIR and XLA's compilation (or a load from the
 # persistent compilation cache) of one program.
@@ -94,39 +95,11 @@ class WarmUp:
             self.finished.set()
 
     def _compile_ahead(self, stop: Callable[[], bool]) -> None:
-        failed = threading.Event()
-
-        def compile_one(program) -> None:
-            if stop() or failed.is_set():
-                return
-            try:
-                lowered.pop(program).compile()  # the engine thread lowered it (its arguments are the engine's)
-            except BaseException:
-                failed.set()
-                raise
+        def compiled(program, executable, seconds: float) -> None:
             self.done += 1  # one writer per program; `+=` under the GIL is enough for a progress count
 
-        # Lowering traces Python (GIL-bound) and reads the engine's slots, so it stays on this thread;
-        # compiling is XLA's work and runs in the pool while the next programs lower, at most
-        # 2 x workers of them lowered and waiting (each holds its module).
-        lowered: dict = {}
-        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jetspec-compile") as pool:
-            futures: list[concurrent.futures.Future] = []
-            try:
-                for program in self.programs:
-                    while len(running := [f for f in futures if not f.done()]) >= 2 * self.workers and not stop():
-                        # only the running ones: a finished future in the list would end every wait at once
-                        concurrent.futures.wait(running, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED)
-                    if stop() or failed.is_set():
-                        break
-                    lowered[program] = self.engine.lower_program(program)
-                    futures.append(pool.submit(compile_one, program))
-            except BaseException:
-                failed.set()  # the compilations not yet begun are skipped
-                raise
-            for future in futures:
-                future.result()
-        if stop():
+        # lowering reads the engine's slots (its arguments are the engine's), so it stays on this thread
+        if not compile_in_parallel(self.programs, self.engine.lower_program, compiled, self.workers, stop):
             self.stopped = True
 
     def describe(self) -> str:

@@ -1,0 +1,50 @@
+"""Many programs compiled at once: lowering on the calling thread, XLA's compilations in a thread pool."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+
+def compile_in_parallel(items: Iterable, lower: Callable[[Any], Any], compiled: Callable[[Any, Any, float], None],
+                        workers: int, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Lowers each item (`lower(item)` -> jax.stages.Lowered) on this thread, since tracing holds the GIL,
+    while `workers` threads compile the lowered ones (XLA releases it); at most 2 x workers lowered modules
+    wait at once (each holds its module). `compiled(item, executable, seconds of lowering and compiling)`
+    runs on a pool thread as each finishes. Lowering stops when stop() turns true or a compilation fails
+    (the compilations not yet begun are skipped); the first failure is raised once those under way end.
+    Returns False if stopped."""
+    workers = max(1, workers)
+    failed = threading.Event()
+
+    def compile_one(item, lowered, lower_s: float) -> None:
+        if stop() or failed.is_set():
+            return
+        t0 = time.perf_counter()
+        try:
+            executable = lowered.compile()
+        except BaseException:
+            failed.set()
+            raise
+        compiled(item, executable, lower_s + time.perf_counter() - t0)
+
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jetspec-compile") as pool:
+        futures: list[concurrent.futures.Future] = []
+        try:
+            for item in items:
+                # only the running ones: a finished future in the list would end every wait at once
+                while len(running := [f for f in futures if not f.done()]) >= 2 * workers and not stop():
+                    concurrent.futures.wait(running, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED)
+                if stop() or failed.is_set():
+                    break
+                t0 = time.perf_counter()
+                lowered = lower(item)
+                futures.append(pool.submit(compile_one, item, lowered, time.perf_counter() - t0))
+        except BaseException:
+            failed.set()
+            raise
+        for future in futures:
+            future.result()
+    return not stop()
