@@ -124,7 +124,7 @@ def main():
     dtype = default_dtype()
     cfg, params, head_cfg, head, description = load_models(args, dtype)
     # the kernel path keeps rows free for the largest tree-causal pass, so that it runs there too
-    tree_slots = max((2 * method_spec(args, "jetspec-tc", b).conditioned_nodes(head_cfg.max_depth)
+    tree_slots = max((method_spec(args, "jetspec-tc", b).tree_pass_slots(head_cfg.max_depth)
                       for b in args.budgets if "jetspec-tc" in args.methods), default=0)
     drafter = HeadDrafter(head_cfg, cfg, attention_impl=args.draft_attention[0], tree_slots=tree_slots)
     depth, taps_wanted = head_cfg.max_depth, head_cfg.tap_layers
@@ -285,7 +285,7 @@ def stage_row(st: ContextState, budget: int, impl: str, method: str = "jetspec")
                compaction=args.compactions[0], accept_commit_ms=accept_ms[args.compactions[0]], **tc_ms)
     if tc:
         row.update(candidate_budget=spec.candidates, conditioned_width=spec.extend_width,
-                   tc_pass_slots=2 * spec.conditioned_nodes(st.depth))
+                   tc_pass_slots=spec.tree_pass_slots(st.depth))
     row.update({f"tree_ms_{builder}": ms for builder, ms in tree_ms.items() if builder != args.tree_builders[0]})
     row.update({f"accept_commit_ms_{c}": ms for c, ms in accept_ms.items() if c != args.compactions[0]})
     for backend in args.gemm_backends if args.target == "embedded" else ():

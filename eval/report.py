@@ -11,7 +11,7 @@ from typing import Any
 from jetspec_jax.provenance import write_json_atomic
 
 from .datasets import BENCHMARKS
-from .records import label_heads, line_key, read_lines, read_meta
+from .records import SETTINGS_BEFORE_RECORDED, label_heads, line_key, read_lines, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,9 @@ def check_one_setup(rows: list[dict], group: str) -> None:
                          f"{', '.join(s[:12] for s in shas)}; run each head set with its own --heads-label "
                          "to compare them, or report each head's results files separately")
     # AR and chain lines carry None, as do lines from before a setting was recorded: its default
-    for field, default, what in (("tree_temperature", 1.0, "tree temperatures"),
-                                 ("gemm_backend", "xla", "GEMM backends"),
-                                 ("draft_attention", "xla", "draft attentions")):
-        values = sorted({r.get(field) or default for r in rows})
+    for field, what in (("tree_temperature", "tree temperatures"), ("gemm_backend", "GEMM backends"),
+                        ("draft_attention", "draft attentions")):
+        values = sorted({r.get(field) or SETTINGS_BEFORE_RECORDED[field] for r in rows})
         if len(values) > 1:
             raise ValueError(f"the results hold {what} {', '.join(map(str, values))} in one group ({group}); "
                              "report the results files of each separately")
@@ -354,15 +353,14 @@ def benchmark_tables(groups: list[dict], labels: list[str]) -> list[str]:
 def header(paths: list[str], metas: list[dict], groups: list[dict], labels: list[str]) -> list[str]:
     out = ["# JetSpec evaluation report", "", f"Results: {', '.join(paths)}", ""]
     for meta in metas:
-        settings = meta.get("settings", {})
+        settings = {**SETTINGS_BEFORE_RECORDED, **meta.get("settings", {})}
         out.append(f"- `{meta['results']}`: target {settings.get('target')}, {settings.get('dtype')} "
                    f"(matmul precision {settings.get('matmul_precision')}), "
                    f"max_new_tokens {settings.get('max_new_tokens')}, width {settings.get('width')}, "
-                   f"tree temperature {settings.get('tree_temperature', 1.0)}, "
-                   f"GEMM backend {settings.get('gemm_backend', 'xla')}, "
-                   f"draft attention {settings.get('draft_attention', 'xla')}, seed {settings.get('seed')}"
+                   f"tree temperature {settings['tree_temperature']}, GEMM backend {settings['gemm_backend']}, "
+                   f"draft attention {settings['draft_attention']}, seed {settings.get('seed')}"
                    + (f", head set {settings['heads_label']}" if "heads_label" in settings else "")
-                   + (f", batch {settings['batch']}" if settings.get("batch", 1) > 1 else ""))
+                   + (f", batch {settings['batch']}" if settings["batch"] > 1 else ""))
         for run in meta.get("runs", []):
             env = run["environment"]
             devices = ", ".join(f"{n}x {kind}" for kind, n in Counter(env.get("devices", [])).items())

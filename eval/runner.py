@@ -21,7 +21,7 @@ from tqdm import tqdm
 from jetspec_jax.generate import (PROMPT_BUCKET, GenerateCall, compile_ahead, encode_prompts, generate, pad_prompts,
                                   plan_cache_len, prepare_generate, stop_tokens)
 from jetspec_jax.models import draft_head
-from jetspec_jax.speculative import (ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, SpecConfig, check_gemm_backend,
+from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_draft_attention, check_gemm_backend,
                                      check_tree_temperature, speculative_cache_rows)
 from jetspec_jax.target import Target, default_dtype, load_target, target_identity
 
@@ -82,12 +82,6 @@ class EvalConfig:
             problems.append(f"prompt_bucket must be >= 1, got {self.prompt_bucket}")
         if self.batch < 1:
             problems.append(f"batch must be >= 1, got {self.batch}")
-        if self.draft_attention not in DRAFT_ATTENTION_IMPLS:
-            problems.append(f"draft_attention must be one of {', '.join(DRAFT_ATTENTION_IMPLS)}, got "
-                            f"{self.draft_attention!r}")
-        elif self.draft_attention == "pallas" and jax.default_backend() != "gpu":
-            problems.append(f"draft_attention 'pallas' runs only on a GPU (this backend is {jax.default_backend()}); "
-                            "use 'xla', or 'pallas_interpret' for the kernel's semantics")
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         problems += [f"temperature must be >= 0, got {t}" for t in self.temperatures
@@ -105,7 +99,8 @@ class EvalConfig:
         if not (math.isfinite(self.code_timeout) and self.code_timeout > 0):
             problems.append(f"code_timeout must be a positive number of seconds, got {self.code_timeout}")
         for check, value in ((check_tree_temperature, self.tree_temperature),
-                             (check_gemm_backend, self.gemm_backend)):
+                             (check_gemm_backend, self.gemm_backend),
+                             (check_draft_attention, self.draft_attention)):
             try:
                 check(value)
             except ValueError as e:

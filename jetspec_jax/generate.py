@@ -251,15 +251,12 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     if head is None:
         raise ValueError(f"method {method!r} needs a draft head (head=(config, params))")
     head_cfg, head_params = head
-    if draft_attention == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"draft attention 'pallas' runs only on a GPU (this backend is {jax.default_backend()}); "
-                         "use 'xla', or 'pallas_interpret' for the kernel's semantics")
     spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
                       gemm_backend=gemm_backend, candidate_budget=candidate_budget,
                       conditioned_width=conditioned_width)
     drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention)
     if spec.tree_causal and draft_attention != "xla":  # rows for the second pass, so that it runs on the kernel too
-        drafter = dataclasses.replace(drafter, tree_slots=2 * spec.conditioned_nodes(spec.depth(drafter.max_depth)))
+        drafter = dataclasses.replace(drafter, tree_slots=spec.tree_pass_slots(spec.depth(drafter.max_depth)))
     check_head_attention(spec, head_cfg)
     extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
     cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,

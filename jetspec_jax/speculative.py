@@ -61,6 +61,15 @@ def check_gemm_backend(value: str) -> None:
         raise ValueError(f"gemm_backend {value!r} is not one of {', '.join(GEMM_BACKENDS)}")
 
 
+def check_draft_attention(value: str) -> None:
+    """Shared by HeadDrafter and the eval's settings (checked there before the target loads)."""
+    if value not in DRAFT_ATTENTION_IMPLS:
+        raise ValueError(f"draft attention_impl {value!r} is not one of {', '.join(DRAFT_ATTENTION_IMPLS)}")
+    if value == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"draft_attention 'pallas' runs only on a GPU (this backend is {jax.default_backend()}); "
+                         "use 'xla', or 'pallas_interpret' for the kernel's semantics")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     method: str = "jetspec"
@@ -124,6 +133,10 @@ class SpecConfig:
         """jetspec-tc: nodes the second pass reads (a bound on the candidate tree's parents)."""
         return max_internal_nodes(self.candidates, self.tree_width, depth)
 
+    def tree_pass_slots(self, depth: int) -> int:
+        """jetspec-tc: block slots of the second pass, a node slot and a query slot per conditioned node."""
+        return 2 * self.conditioned_nodes(depth)
+
 
 def check_tree_causal_settings(method: str, budget: int, candidate_budget: int | None,
                                conditioned_width: int | None) -> None:
@@ -155,7 +168,7 @@ class HeadDrafter:
     cfg: draft_head.DraftConfig
     target_cfg: qwen3.Config
     attention_impl: str = "xla"  # one of DRAFT_ATTENTION_IMPLS; "pallas" drafts ~11% faster on the H200
-    # jetspec-tc: slots of the tree-causal pass (2 x SpecConfig.conditioned_nodes) that the kernel path keeps
+    # jetspec-tc: slots of the tree-causal pass (SpecConfig.tree_pass_slots) that the kernel path keeps
     # rows free for past the context; a pass with more slots than this and the block falls back to "xla",
     # whose dense mask spans the whole context buffer
     tree_slots: int = 0
@@ -164,9 +177,7 @@ class HeadDrafter:
         draft_head.check_pairing(self.cfg, self.target_cfg)
         if self.tree_slots < 0:
             raise ValueError(f"tree_slots must be >= 0, got {self.tree_slots}")
-        if self.attention_impl not in DRAFT_ATTENTION_IMPLS:
-            raise ValueError(f"draft attention_impl {self.attention_impl!r} is not one of "
-                             f"{', '.join(DRAFT_ATTENTION_IMPLS)}")
+        check_draft_attention(self.attention_impl)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

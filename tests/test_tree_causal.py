@@ -245,7 +245,7 @@ def test_second_pass_on_the_kernel_is_lossless_at_t0(tiny_qwen3):
     gen = GenerationConfig(max_new_tokens=12)
     drafter, head = random_head(target.cfg, jax.random.key(1), attention="causal")
     spec = SpecConfig("jetspec-tc", 8, 3)
-    slots = 2 * spec.conditioned_nodes(spec.depth(drafter.max_depth))
+    slots = spec.tree_pass_slots(spec.depth(drafter.max_depth))
     assert slots > drafter.cfg.block_size  # the pass the dense path used to take
     kernel = dataclasses.replace(drafter, attention_impl="pallas_interpret", tree_slots=slots)
     want, want_n = run_ar(target, PROMPTS[:2], gen)
