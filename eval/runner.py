@@ -234,20 +234,22 @@ class Evaluator:
         width = self.padded_width(item)
         return -(-(width + self.config.max_new_tokens + self.scratch[(method, budget)]) // 64) * 64
 
-    def generate_options(self, method: str, budget: int | None, temperature: float, max_new_tokens: int,
-                         cache_len: int) -> dict[str, Any]:
-        """The options of a generation call (generate / prepare_generate) of this run."""
-        tree = {} if budget is None else {"budget": budget, "width": self.config.width,
-                                          "tree_temperature": self.config.tree_temperature,
-                                          "gemm_backend": self.config.gemm_backend,
-                                          "draft_attention": self.config.draft_attention}
-        return dict(method=method, head=self.head(method), **tree, attention=self.config.attention,
-                    prompt_bucket=self.config.prompt_bucket, max_new_tokens=max_new_tokens,
-                    temperature=temperature, seed=self.config.seed, max_cache_len=cache_len)
+    def call_options(self, specs: list[RunSpec], prefill: bool = False) -> dict[str, Any]:
+        """The options (generate / prepare_generate) of the generation call of these runs (one, or a batch of
+        plan_batches), or with `prefill` of their prefill-only call: max_new_tokens=1 and the cache of the
+        method's smallest budget (the closest to AR's, so decode time is not flattered)."""
+        first, config = specs[0], self.config
+        budget = self.prefill_budget[first.method] if prefill else first.budget
+        tree = {} if budget is None else {"budget": budget, "width": config.width,
+                                          "tree_temperature": config.tree_temperature,
+                                          "gemm_backend": config.gemm_backend,
+                                          "draft_attention": config.draft_attention}
+        return dict(method=first.method, head=self.head(first.method), **tree, attention=config.attention,
+                    prompt_bucket=config.prompt_bucket, max_new_tokens=1 if prefill else config.max_new_tokens,
+                    temperature=first.temperature, seed=config.seed,
+                    max_cache_len=self.cache_len(first.item, first.method, budget))
 
-    def timed_generate(self, prompt: str | list[str], method: str, budget: int | None, temperature: float,
-                       max_new_tokens: int, cache_len: int):
-        options = self.generate_options(method, budget, temperature, max_new_tokens, cache_len)
+    def timed_generate(self, prompt: str | list[str], options: dict[str, Any]):
         result = generate(prompt, self.target, **options)
         # the first run of a freshly compiled executable pays one-time costs; time a warm one
         return generate(prompt, self.target, **options) if result.compile_seconds > 0 else result
@@ -255,19 +257,8 @@ class Evaluator:
     def planned_calls(self, batches: list[list[RunSpec]]) -> list[GenerateCall]:
         """The generation and prefill-only calls that these batches (of plan_batches, or one run each at
         batch 1) will make, for compile_ahead; prompts that do not fit make none."""
-        calls = []
-        for specs in batches:
-            first = specs[0]
-            if self.batch_width(first.item) is None:
-                continue
-            prompts = self.call_prompts(specs)
-            cache_len = self.cache_len(first.item, first.method, first.budget)
-            calls.append(prepare_generate(prompts, self.target, **self.generate_options(
-                first.method, first.budget, first.temperature, self.config.max_new_tokens, cache_len)))
-            budget = self.prefill_budget[first.method]
-            calls.append(prepare_generate(prompts, self.target, **self.generate_options(
-                first.method, budget, first.temperature, 1, self.cache_len(first.item, first.method, budget))))
-        return calls
+        return [prepare_generate(self.call_prompts(specs), self.target, **self.call_options(specs, prefill))
+                for specs in batches if self.batch_width(specs[0].item) is not None for prefill in (False, True)]
 
     def compile_plan(self, batches: list[list[RunSpec]]) -> None:
         """Compiles every program the batches will call before the first timed call, compile_workers at
@@ -285,13 +276,9 @@ class Evaluator:
         """Prefill-only call (max_new_tokens=1) of these runs' prompts together (one, or a batch of
         plan_batches), once per prompts and method, with the cache of the method's smallest budget (the
         closest to AR's, so decode time is not flattered)."""
-        first = specs[0]
-        key = (first.method, tuple((s.item.benchmark, s.item.id) for s in specs))
+        key = (specs[0].method, tuple((s.item.benchmark, s.item.id) for s in specs))
         if key not in self.prefill_seconds:
-            budget = self.prefill_budget[first.method]
-            cache_len = self.cache_len(first.item, first.method, budget)
-            result = self.timed_generate(self.call_prompts(specs), first.method, budget, first.temperature,
-                                         max_new_tokens=1, cache_len=cache_len)
+            result = self.timed_generate(self.call_prompts(specs), self.call_options(specs, prefill=True))
             self.prefill_seconds[key] = result.generate_seconds
         return self.prefill_seconds[key]
 
@@ -329,7 +316,7 @@ class Evaluator:
                 "heads_label": self.heads_label, "run": self.run_index}
 
     def run(self, spec: RunSpec) -> dict[str, Any]:
-        item, method, config = spec.item, spec.method, self.config
+        item = spec.item
         line = self.settings_fields(spec)
         reason = self.does_not_fit(item)
         if reason is not None:  # an error line for each of its runs: recorded, and resumes skip it
@@ -337,9 +324,7 @@ class Evaluator:
                 self.skipped.add((item.benchmark, item.id))
                 log.warning("%s %s: %s", item.benchmark, item.id, reason)
             return {**line, "prompt_tokens": len(self.prompt_tokens(item)), "error": reason}
-        cache_len = self.cache_len(item, method, spec.budget)
-        result = self.timed_generate(item.prompt, method, spec.budget, spec.temperature,
-                                     config.max_new_tokens, cache_len)
+        result = self.timed_generate(item.prompt, self.call_options([spec]))
         prefill = self.prefill_time([spec])
         timing = {"total_seconds": result.generate_seconds, "prefill_seconds": prefill,
                   "decode_seconds": max(result.generate_seconds - prefill, 0.0)}
@@ -352,9 +337,7 @@ class Evaluator:
         first = specs[0]
         if self.batch_width(first.item) is None:  # prompts that do not fit: their error lines, no call
             return [{**self.run(s), "batch": self.config.batch} for s in specs if s.key in wanted]
-        cache_len = self.cache_len(first.item, first.method, first.budget)
-        result = self.timed_generate(self.call_prompts(specs), first.method, first.budget,
-                                     first.temperature, self.config.max_new_tokens, cache_len)
+        result = self.timed_generate(self.call_prompts(specs), self.call_options(specs))
         prefill = self.prefill_time(specs)
         timing = {"batch": self.config.batch, "batch_size": len(specs), "batch_filled": self.config.batch - len(specs),
                   "batch_seconds": result.generate_seconds,
