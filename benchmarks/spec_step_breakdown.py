@@ -111,11 +111,13 @@ def main():
     p.add_argument("--attention", nargs="+", default=["xla"], choices=ATTENTION_IMPLS,
                    help="verify attention paths to time")
     p.add_argument("--draft-attention", nargs="+", default=["xla"], choices=DRAFT_ATTENTION_IMPLS,
-                   help="the head's attention paths to time (the first is the step's and jetspec-tc's second "
-                        "pass's; the others add draft_ms_*)")
+                   help="the head's attention paths to time (the first is the step's; the others add draft_ms_* "
+                        "and, for jetspec-tc's second pass, tc_pass_ms_*)")
     p.add_argument("--gemm-backends", nargs="+", default=["xla"], choices=list(GEMM_BACKENDS),
                    help="the generation loop's GEMM backends to time the whole step with (embedded target; "
                         "the first is loop_step_ms, the others add loop_step_ms_*); the stages keep XLA's")
+    p.add_argument("--loop-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time a whole step inside speculative_generate (two compilations per row)")
     p.add_argument("--iters", type=int, default=None, help="loop length (default 50; 8B: 10)")
     p.add_argument("--out", default="benchmarks/results/spec_step_breakdown.json")
     args = p.parse_args()
@@ -178,7 +180,8 @@ def main():
                     write_json_atomic(args.out, payload)  # after every row: a run cut short keeps what it measured
     print_table(rows, ["context", "attention", "method", "budget", "draft_ms"]
                 + [f"draft_ms_{impl}" for impl in args.draft_attention[1:]] + ["tree_builder", "tree_ms"]
-                + (["candidate_budget", "tc_pass_ms", "tc_select_ms"] if "jetspec-tc" in args.methods else [])
+                + (["candidate_budget", "tc_pass_ms"] + [f"tc_pass_ms_{impl}" for impl in args.draft_attention[1:]]
+                   + ["tc_select_ms"] if "jetspec-tc" in args.methods else [])
                 + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
                 + ["verify_ms", "accept_commit_ms"] + [f"accept_commit_ms_{c}" for c in args.compactions[1:]]
                 + ["sum_ms", "loop_step_ms"] + [f"loop_step_ms_{g}" for g in args.gemm_backends[1:]]
@@ -240,14 +243,17 @@ def stage_row(st: ContextState, budget: int, impl: str, method: str = "jetspec")
     tc_ms = {}
     if tc:
         candidates = tree
+        for impl_name in st.args.draft_attention:  # the drafter's first, the others beside it
+            drafter = dataclasses.replace(st.drafter, attention_impl=impl_name)
 
-        def pass_body(i, tokens, head, params, ctx, candidates):  # the next pass reads tokens the last one chose
-            _, _, logps = tree_causal_pass(params, head, candidates._replace(tokens=tokens), None, ctx,
-                                           drafter=st.drafter, spec=spec, depth=st.depth)
-            return (tokens + jnp.argmax(logps[:, :1], axis=-1).astype(jnp.int32)) % cfg.vocab_size
+            def pass_body(i, tokens, head, params, ctx, candidates, drafter=drafter):  # reads the last pass's choice
+                _, _, logps = tree_causal_pass(params, head, candidates._replace(tokens=tokens), None, ctx,
+                                               drafter=drafter, spec=spec, depth=st.depth)
+                return (tokens + jnp.argmax(logps[:, :1], axis=-1).astype(jnp.int32)) % cfg.vocab_size
 
-        tc_ms["tc_pass_ms"] = per_iteration_ms(pass_body, candidates.tokens, st.iters, st.head, st.params, st.ctx,
-                                               candidates)
+            key = "tc_pass_ms" if impl_name == st.drafter.attention_impl else f"tc_pass_ms_{impl_name}"
+            tc_ms[key] = per_iteration_ms(pass_body, candidates.tokens, st.iters, st.head, st.params, st.ctx,
+                                          candidates)
         second_pass = jax.jit(lambda p, h, c, t: tree_causal_pass(p, h, t, None, c, drafter=st.drafter, spec=spec,
                                                                   depth=st.depth))
         nodes, real, logps = second_pass(st.params, st.head, st.ctx, candidates)
@@ -288,7 +294,7 @@ def stage_row(st: ContextState, budget: int, impl: str, method: str = "jetspec")
                    tc_pass_slots=spec.tree_pass_slots(st.depth))
     row.update({f"tree_ms_{builder}": ms for builder, ms in tree_ms.items() if builder != args.tree_builders[0]})
     row.update({f"accept_commit_ms_{c}": ms for c, ms in accept_ms.items() if c != args.compactions[0]})
-    for backend in args.gemm_backends if args.target == "embedded" else ():
+    for backend in args.gemm_backends if args.target == "embedded" and args.loop_step else ():
         def full(n, spec=dataclasses.replace(spec, gemm_backend=backend)):
             gen = GenerationConfig(max_new_tokens=n)
             return lambda: speculative_generate(st.params, st.head, st.prompt, st.lens, jax.random.key(0), cfg=cfg,
