@@ -166,10 +166,9 @@ def main(argv=None) -> int:
                 print_table(rows[-1:], [k for k in rows[-1] if k != "compiled_programs"])
         finally:
             server.close()
-    ar = {r["concurrency"]: r["throughput"] for r in rows if r["variant"] == "ar"}
-    for r in rows:
-        if r["concurrency"] in ar:
-            r["throughput_over_ar"] = r["throughput"] / ar[r["concurrency"]]
+        add_ratios_to_ar(rows)
+        if args.out:  # after each variant: a run cut short keeps the variants it finished
+            write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
     columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
                "request_tokens_per_second", "tau", "last_budget", "compile_s", "warning"]
     print_table(rows, columns)
@@ -179,11 +178,21 @@ def main(argv=None) -> int:
     if any(r["warning"] for r in rows):
         print("WARNING: rows flagged above compiled inside their timed window: their numbers include compile time",
               file=sys.stderr)
-    if args.out:
-        write_json_atomic(args.out, dict(benchmark="serve_load", target=target.name, method=args.method,
-                                         slots=args.slots, max_len=args.max_len, max_tokens=args.max_tokens,
-                                         environment=environment(), warm_up=warm_up, rows=rows))
     return 0
+
+
+def add_ratios_to_ar(rows: list[dict]) -> None:
+    """Each row's throughput over AR's at its concurrency, once AR has run there."""
+    ar = {r["concurrency"]: r["throughput"] for r in rows if r["variant"] == "ar"}
+    for r in rows:
+        if r["concurrency"] in ar:
+            r["throughput_over_ar"] = r["throughput"] / ar[r["concurrency"]]
+
+
+def write_results(args, target, warm_up: dict, rows: list[dict], complete: bool) -> None:
+    write_json_atomic(args.out, dict(benchmark="serve_load", target=target.name, method=args.method,
+                                     slots=args.slots, max_len=args.max_len, max_tokens=args.max_tokens,
+                                     complete=complete, environment=environment(), warm_up=warm_up, rows=rows))
 
 
 if __name__ == "__main__":
