@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "a throughput speedup against AR at the same batch; the latency speedup needs the "
                           "default, 1. A short batch is filled up to N with copies of its last prompt (one compiled "
                           "program per width). One batch size per results file")
-    run.add_argument("--draft-attention", choices=DRAFT_ATTENTION_IMPLS, default="xla",
-                     help="the draft head's attention: xla (a dense mask over its context buffer) or pallas (the "
-                          "tree kernel on GPU, jetspec-tc's second pass too; pallas_interpret on CPU)")
+    run.add_argument("--draft-attention", choices=DRAFT_ATTENTION_IMPLS, default="auto",
+                     help="the draft head's attention: xla (a dense mask over its context buffer), pallas (the "
+                          "tree kernel on GPU, jetspec-tc's second pass too; pallas_interpret on CPU) or auto "
+                          "(pallas on GPU, xla elsewhere; the results file records which ran)")
     run.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                      help="attention of AR decode steps and verify passes (auto: Pallas kernel on GPU)")
     run.add_argument("--seed", type=int, default=0)

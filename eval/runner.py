@@ -22,7 +22,7 @@ from jetspec_jax.generate import (PROMPT_BUCKET, GenerateCall, compile_ahead, en
                                   plan_cache_len, prepare_generate, stop_tokens)
 from jetspec_jax.models import draft_head
 from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_draft_attention, check_gemm_backend,
-                                     check_tree_temperature, speculative_cache_rows)
+                                     check_tree_temperature, resolve_draft_attention, speculative_cache_rows)
 from jetspec_jax.target import Target, default_dtype, load_target, target_identity
 
 from .datasets import BENCHMARKS, EvalItem, load_benchmark
@@ -55,7 +55,7 @@ class EvalConfig:
     width: int = 7
     tree_temperature: float = 1.0  # the tree methods' scoring temperature (SpecConfig)
     gemm_backend: str = "xla"  # the speculative methods' GEMM library on GPU (SpecConfig); AR keeps XLA's
-    draft_attention: str = "xla"  # the head's attention (speculative.DRAFT_ATTENTION_IMPLS)
+    draft_attention: str = "auto"  # the head's attention (speculative.DRAFT_ATTENTION_IMPLS), held resolved
     attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
     prompt_bucket: int = PROMPT_BUCKET  # each prompt pads to its own multiple of this: larger, fewer compiles
     batch: int = 1  # > 1: up to this many prompts of one padded width per generation call (throughput)
@@ -116,6 +116,8 @@ class EvalConfig:
                             f"{self.max_new_tokens}")
         if problems:
             raise ValueError("; ".join(problems))
+        # recorded as the implementation that runs, so files of "auto" runs on two backends stay apart
+        object.__setattr__(self, "draft_attention", resolve_draft_attention(self.draft_attention))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,7 +229,7 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
                      system_prompt: str | None = None, max_cache_len: int | None = None,
                      attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET,
                      tree_temperature: float = 1.0, gemm_backend: str = "xla", candidate_budget: int | None = None,
-                     conditioned_width: int | None = None, draft_attention: str = "xla") -> GenerateCall:
+                     conditioned_width: int | None = None, draft_attention: str = "auto") -> GenerateCall:
     """The device call `generate` makes for these prompts and options (see `generate`), not run: what
     `compile_ahead` compiles. Raises on bad settings as `generate` does."""
     if method != "ar" and method not in METHODS:
@@ -255,7 +255,7 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
                       gemm_backend=gemm_backend, candidate_budget=candidate_budget,
                       conditioned_width=conditioned_width)
     drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention)
-    if spec.tree_causal and draft_attention != "xla":  # rows for the second pass, so that it runs on the kernel too
+    if spec.tree_causal and drafter.attention_impl != "xla":  # rows for the second pass, so it runs on the kernel too
         drafter = dataclasses.replace(drafter, tree_slots=spec.tree_pass_slots(spec.depth(drafter.max_depth)))
     check_head_attention(spec, head_cfg)
     extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
@@ -279,8 +279,9 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, **optio
     a larger bucket means fewer shapes to compile. `tree_temperature` divides the head's logits before
     the tree is scored and `gemm_backend` picks the speculative loop's GEMM library on GPU;
     `candidate_budget` and `conditioned_width` are jetspec-tc's (all SpecConfig). `draft_attention` is
-    the head's attention: "xla" (a dense mask over the head's context buffer) or "pallas" (the tree
-    kernel on GPU, reading each sequence's own rows; jetspec-tc's second pass too).
+    the head's attention: "xla" (a dense mask over the head's context buffer), "pallas" (the tree
+    kernel on GPU, reading each sequence's own rows; jetspec-tc's second pass too) or "auto" (pallas on
+    GPU, xla elsewhere).
     """
     call = prepare_generate(prompts, target, **options)
     out, compile_s, run_s = compiled_call(call.fn, call.args, call.static)

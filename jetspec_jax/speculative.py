@@ -32,7 +32,9 @@ from jetspec_jax.tree import (Tree, internal_nodes, max_internal_nodes, select_c
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
 
 ATTENTION_IMPLS = qwen3.ATTENTION_IMPLS
-DRAFT_ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")  # the head's: dense mask or the tree kernel
+# the head's: a dense mask or the tree kernel; auto = the kernel on GPU (it drafts 1.1-1.8x faster on the H200,
+# jetspec-tc's second pass 1.4-4x: benchmarks/results/spec_step_breakdown_tree_causal_batch*_h200.json)
+DRAFT_ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
 METHODS = ("jetspec", "ddtree", "dflash", "jetspec-tc")
 ATTENTION_OF_METHOD = {"jetspec": "causal", "jetspec-tc": "causal", "ddtree": "bidirectional",
@@ -59,6 +61,14 @@ def check_gemm_backend(value: str) -> None:
     """Shared by SpecConfig and the eval's settings (checked there before the target loads)."""
     if value not in GEMM_BACKENDS:
         raise ValueError(f"gemm_backend {value!r} is not one of {', '.join(GEMM_BACKENDS)}")
+
+
+def resolve_draft_attention(value: str) -> str:
+    """The implementation `value` names here: "auto" is "pallas" on GPU and "xla" elsewhere."""
+    check_draft_attention(value)
+    if value == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return value
 
 
 def check_draft_attention(value: str) -> None:
@@ -167,7 +177,7 @@ class HeadDrafter:
 
     cfg: draft_head.DraftConfig
     target_cfg: qwen3.Config
-    attention_impl: str = "xla"  # one of DRAFT_ATTENTION_IMPLS; "pallas" drafts ~11% faster on the H200
+    attention_impl: str = "auto"  # one of DRAFT_ATTENTION_IMPLS, held resolved ("auto" becomes xla or pallas)
     # jetspec-tc: slots of the tree-causal pass (SpecConfig.tree_pass_slots) that the kernel path keeps
     # rows free for past the context; a pass with more slots than this and the block falls back to "xla",
     # whose dense mask spans the whole context buffer
@@ -177,7 +187,8 @@ class HeadDrafter:
         draft_head.check_pairing(self.cfg, self.target_cfg)
         if self.tree_slots < 0:
             raise ValueError(f"tree_slots must be >= 0, got {self.tree_slots}")
-        check_draft_attention(self.attention_impl)
+        # resolved here, so that kernel_rows and the jit cache key see the implementation that runs
+        object.__setattr__(self, "attention_impl", resolve_draft_attention(self.attention_impl))
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

@@ -298,5 +298,20 @@ def test_bad_speculative_settings(tiny_qwen3):
         HeadDrafter(head_for(vocab_size=50), target.cfg)
     with pytest.raises(ValueError, match="tap layers .* do not exist in a 3-layer target"):
         HeadDrafter(head_for(num_layers=12), target.cfg)
-    with pytest.raises(ValueError, match="draft attention_impl 'cudnn' is not one of xla, pallas"):
+    with pytest.raises(ValueError, match="draft attention_impl 'cudnn' is not one of auto, xla, pallas"):
         HeadDrafter(head_for(), target.cfg, attention_impl="cudnn")
+
+
+def test_auto_draft_attention_is_the_kernel_on_gpu_only(tiny_qwen3, monkeypatch):
+    """"auto" resolves when the drafter is made, so kernel_rows and the jit key see what runs."""
+    from jetspec_jax import speculative
+    from jetspec_jax.models import draft_head
+
+    target, _ = tiny_qwen3
+    cfg = draft_head.DraftConfig.for_target(target.cfg)
+    on_cpu = speculative.HeadDrafter(cfg, target.cfg)
+    assert on_cpu.attention_impl == "xla" and on_cpu.kernel_rows == 0  # the dense mask keeps no rows
+    monkeypatch.setattr(speculative.jax, "default_backend", lambda: "gpu")
+    on_gpu = speculative.HeadDrafter(cfg, target.cfg, attention_impl="auto")
+    assert on_gpu.attention_impl == "pallas" and on_gpu.kernel_rows == cfg.block_size
+    assert speculative.resolve_draft_attention("xla") == "xla"
