@@ -41,7 +41,9 @@ def test_serve_load_times_no_compilation(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
+    assert result["complete"] is True  # written after each variant; the last write marks the run whole
     assert [(r["variant"], r["concurrency"]) for r in result["rows"]] == [("ar", 1), ("ar", 2), ("8", 1), ("8", 2)]
+    assert all(r["throughput_over_ar"] > 0 for r in result["rows"])
     for row in result["rows"]:
         assert row["compilations"] == 0 and row["compile_s"] == 0 and row["warning"] is None, row
         assert row["completion_tokens"] == 8 * row["requests"] and row["throughput"] > 0
