@@ -254,9 +254,7 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
                       gemm_backend=gemm_backend, candidate_budget=candidate_budget,
                       conditioned_width=conditioned_width)
-    drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention)
-    if spec.tree_causal and drafter.attention_impl != "xla":  # rows for the second pass, so it runs on the kernel too
-        drafter = dataclasses.replace(drafter, tree_slots=spec.tree_pass_slots(spec.depth(drafter.max_depth)))
+    drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention).for_spec(spec)
     check_head_attention(spec, head_cfg)
     extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
     cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,

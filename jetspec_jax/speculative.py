@@ -198,6 +198,12 @@ class HeadDrafter:
     def max_depth(self) -> int:
         return self.cfg.max_depth
 
+    def for_spec(self, spec: "SpecConfig") -> "HeadDrafter":
+        """This drafter, keeping rows for `spec`'s tree-causal pass where it runs on the kernel path."""
+        if not spec.tree_causal or self.attention_impl == "xla":
+            return self
+        return dataclasses.replace(self, tree_slots=spec.tree_pass_slots(spec.depth(self.max_depth)))
+
     @property
     def kernel_rows(self) -> int:
         """Rows the kernel path writes past the longest context: the block, or a tree-causal pass."""

@@ -92,6 +92,22 @@ def test_t0_requests_equal_offline_generation(target, heads, method):
     assert engine.metrics()["requests_finished"] == len(greedy) + len(sampled)
 
 
+def test_tree_causal_requests_on_the_kernel_draft_path_equal_ar(target, heads):
+    """jetspec-tc with both head passes on the (interpreted) tree kernel: the engine keeps head-context rows
+    for the second pass, and each greedy request's output is AR's."""
+    engine = Engine(target, heads["jetspec"], method="jetspec-tc", slots=2, max_len=256, budget=8, width=3,
+                    chunk_steps=4, stop_token_ids=(EOS,), draft_attention="pallas_interpret").start()
+    spec = engine.spec(8)
+    assert engine.drafter.tree_slots == spec.tree_pass_slots(spec.depth(engine.drafter.max_depth)) > 0
+    try:
+        handles = [engine.submit(EngineRequest(p, m, SamplingParams(), f"g{i}"))
+                   for i, (p, m) in enumerate(zip(PROMPTS[:3], LIMITS[:3]))]
+        results = [collect(h) for h in handles]
+    finally:
+        engine.shutdown()
+    assert [tokens for tokens, _ in results] == offline(target, None, "ar", PROMPTS[:3], LIMITS[:3])
+
+
 def test_sampled_requests_follow_the_target_distribution(target, heads):
     """3000 requests of three sampled tokens through 64 slots against the exact target distribution
     (p-values against 1e-3, as the offline test: a false alarm rate of at most 0.2%; fixed seeds)."""

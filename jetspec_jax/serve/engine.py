@@ -112,11 +112,11 @@ class Engine:
                  budget: int | str = 64, width: int = 7, chunk_steps: int = 8, max_queue: int = 64,
                  cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
                  attention: str = "auto", min_batch: int = 1, max_depth: int | None = None,
-                 tree_temperature: float = 1.0):
+                 tree_temperature: float = 1.0, draft_attention: str = "auto"):
         """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
         ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
         per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py);
-        `max_depth` and `tree_temperature` are SpecConfig's."""
+        `max_depth` and `tree_temperature` are SpecConfig's, `draft_attention` HeadDrafter's."""
         from jetspec_jax.generate import pad_token, stop_tokens
 
         if method != "ar" and method not in METHODS:
@@ -136,8 +136,11 @@ class Engine:
             self.drafter, self.head_params, self.policy = None, None, None
         else:
             head_cfg, self.head_params = head
-            self.drafter = HeadDrafter(head_cfg, target.cfg)
+            self.drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention)
             self.policy = BudgetPolicy.create(budget, width, slots, target, cost_table, method)
+            # jetspec-tc: rows for the largest budget's second pass, so that every budget's runs on the kernel
+            self.drafter = max((self.drafter.for_spec(self.spec(b)) for b in self.policy.budgets),
+                               key=lambda drafter: drafter.tree_slots)
         scratch = max([device.scratch_rows(self.spec(b), self.spec(b).depth(self.drafter.max_depth))  # validates
                        for b in self.policy.budgets] if self.policy else [1])
         rows = -(-max_len // 64) * 64
