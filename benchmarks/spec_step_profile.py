@@ -1,7 +1,10 @@
-"""Where a decode step's time goes on the GPU: profiles whole generations (AR, and JetSpec at each
+"""Where a decode step's time goes on the GPU: profiles whole generations (AR, and each method at each
 budget) on the embedded target and sums the GPU's kernels per target forward.
 
     python benchmarks/spec_step_profile.py --out benchmarks/results/spec_step_profile_h200.json
+    # jetspec-tc's second pass and re-selection in a batch
+    python benchmarks/spec_step_profile.py --methods jetspec jetspec-tc --batch 10 --budgets 64 256 \
+        --out benchmarks/results/spec_step_profile_tree_causal_batch10_h200.json
 
 Per configuration: `wall_ms_per_step` (the generation's wall time over its target forwards, prefill
 included but amortised over `--new-tokens`), `gpu_busy_ms_per_step` (summed kernel durations on the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import sys
@@ -58,6 +62,8 @@ def summarise(name: str, wall: float, events, steps: int, top: int) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--methods", nargs="+", default=["jetspec"], choices=["jetspec", "jetspec-tc"])
+    p.add_argument("--batch", type=int, default=1, help="sequences generated together")
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--context", type=int, default=512, help="prompt tokens (random ids)")
     p.add_argument("--new-tokens", type=int, default=256)
@@ -71,12 +77,13 @@ def main():
     cfg = target.cfg
     head_cfg, head = load_head(packaged_head_path(target, "jetspec"), dtype)
     drafter = HeadDrafter(head_cfg, cfg)
-    prompt = jax.random.randint(jax.random.key(1), (1, args.context), 0, cfg.vocab_size)
-    lens = jnp.full((1,), args.context, jnp.int32)
+    prompt = jax.random.randint(jax.random.key(1), (args.batch, args.context), 0, cfg.vocab_size)
+    lens = jnp.full((args.batch,), args.context, jnp.int32)
     cache_len = args.context + args.new_tokens + max(args.budgets) + head_cfg.max_depth + 1
     gen = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_ids=())
     payload = dict(benchmark="spec_step_profile", model=os.path.basename(target.source), context=args.context,
-                   new_tokens=args.new_tokens, width=args.width, tree_impl=args.tree_impl, rows=[],
+                   batch=args.batch, new_tokens=args.new_tokens, width=args.width, tree_impl=args.tree_impl,
+                   draft_attention=drafter.attention_impl, rows=[],
                    environment=environment())
 
     def record(name, fn, steps):
@@ -89,15 +96,16 @@ def main():
     ar = lambda: generate_tokens(target.params, prompt, lens, jax.random.key(0), cfg=cfg, gen=gen,  # noqa: E731
                                  cache_len=cache_len)
     record("ar", ar, args.new_tokens)
-    for budget in args.budgets:
-        spec = SpecConfig("jetspec", budget, args.width, tree_impl=args.tree_impl)
+    for method, budget in itertools.product(args.methods, args.budgets):
+        spec = SpecConfig(method, budget, args.width, tree_impl=args.tree_impl)
+        step_drafter = drafter.for_spec(spec)
 
-        def run(spec=spec):
+        def run(spec=spec, step_drafter=step_drafter):
             return speculative_generate(target.params, head, prompt, lens, jax.random.key(0), cfg=cfg,
-                                        drafter=drafter, spec=spec, gen=gen, cache_len=cache_len)
+                                        drafter=step_drafter, spec=spec, gen=gen, cache_len=cache_len)
 
         steps = int(run().target_forwards.max())
-        record(f"jetspec_b{budget}", run, steps)
+        record(f"{method}_b{budget}", run, steps)
     for row in payload["rows"]:
         print(f"\n{row['config']}: {row['steps']} steps, {row['wall_ms_per_step']:.3f} ms/step wall"
               + (f", {row['gpu_busy_ms_per_step']:.3f} GPU busy, {row['launches_per_step']:.0f} launches"
