@@ -42,8 +42,8 @@ from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  #
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
 from jetspec_jax.speculative import (ATTENTION_IMPLS, CANDIDATE_FACTOR, DRAFT_ATTENTION_IMPLS,  # noqa: E402
-                                     GEMM_BACKENDS, HeadDrafter, SpecConfig, select_trees, speculative_generate,
-                                     tree_causal_pass)
+                                     GEMM_BACKENDS, HeadDrafter, SpecConfig, resolve_draft_attention, select_trees,
+                                     speculative_generate, tree_causal_pass)
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
@@ -110,9 +110,9 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[512], help="committed tokens before the step")
     p.add_argument("--attention", nargs="+", default=["xla"], choices=ATTENTION_IMPLS,
                    help="verify attention paths to time")
-    p.add_argument("--draft-attention", nargs="+", default=["xla"], choices=DRAFT_ATTENTION_IMPLS,
+    p.add_argument("--draft-attention", nargs="+", default=["auto"], choices=DRAFT_ATTENTION_IMPLS,
                    help="the head's attention paths to time (the first is the step's; the others add draft_ms_* "
-                        "and, for jetspec-tc's second pass, tc_pass_ms_*)")
+                        "and, for jetspec-tc's second pass, tc_pass_ms_*; auto: the kernel on GPU, as generation)")
     p.add_argument("--gemm-backends", nargs="+", default=["xla"], choices=list(GEMM_BACKENDS),
                    help="the generation loop's GEMM backends to time the whole step with (embedded target; "
                         "the first is loop_step_ms, the others add loop_step_ms_*); the stages keep XLA's")
@@ -121,6 +121,8 @@ def main():
     p.add_argument("--iters", type=int, default=None, help="loop length (default 50; 8B: 10)")
     p.add_argument("--out", default="benchmarks/results/spec_step_breakdown.json")
     args = p.parse_args()
+    # named by the implementation that runs ("auto" and the one it picks are one path)
+    args.draft_attention = list(dict.fromkeys(resolve_draft_attention(a) for a in args.draft_attention))
     iters = args.iters or (10 if args.target == "qwen3-8b-shaped" else 50)
 
     dtype = default_dtype()
