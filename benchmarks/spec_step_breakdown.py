@@ -127,10 +127,9 @@ def main():
 
     dtype = default_dtype()
     cfg, params, head_cfg, head, description = load_models(args, dtype)
-    # the kernel path keeps rows free for the largest tree-causal pass, so that it runs there too
-    tree_slots = max((method_spec(args, "jetspec-tc", b).tree_pass_slots(head_cfg.max_depth)
-                      for b in args.budgets if "jetspec-tc" in args.methods), default=0)
-    drafter = HeadDrafter(head_cfg, cfg, attention_impl=args.draft_attention[0], tree_slots=tree_slots)
+    # rows for the largest tree-causal pass, kept by each draft-attention path timed (each runs on its own)
+    drafter = HeadDrafter(head_cfg, cfg, attention_impl=args.draft_attention[0]).for_specs(
+        method_spec(args, m, b) for m in args.methods for b in args.budgets)
     depth, taps_wanted = head_cfg.max_depth, head_cfg.tap_layers
     b = args.batch
     payload = dict(benchmark="spec_step_breakdown", model=description, batch=b, width=args.width,

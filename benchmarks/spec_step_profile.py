@@ -98,7 +98,7 @@ def main():
     record("ar", ar, args.new_tokens)
     for method, budget in itertools.product(args.methods, args.budgets):
         spec = SpecConfig(method, budget, args.width, tree_impl=args.tree_impl)
-        step_drafter = drafter.for_spec(spec)
+        step_drafter = drafter.for_specs([spec])
 
         def run(spec=spec, step_drafter=step_drafter):
             return speculative_generate(target.params, head, prompt, lens, jax.random.key(0), cfg=cfg,

@@ -254,7 +254,7 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     spec = SpecConfig(method, budget, width, max_depth, attention, tree_temperature=tree_temperature,
                       gemm_backend=gemm_backend, candidate_budget=candidate_budget,
                       conditioned_width=conditioned_width)
-    drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention).for_spec(spec)
+    drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention).for_specs([spec])
     check_head_attention(spec, head_cfg)
     extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
     cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,

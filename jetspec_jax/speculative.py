@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tre
 
 ATTENTION_IMPLS = qwen3.ATTENTION_IMPLS
 # the head's: a dense mask or the tree kernel; auto = the kernel on GPU (it drafts 1.1-1.8x faster on the H200,
-# jetspec-tc's second pass 1.4-4x: benchmarks/results/spec_step_breakdown_tree_causal_batch*_h200.json)
+# jetspec-tc's second pass 1.1-4x: benchmarks/results/spec_step_breakdown_tree_causal_batch*_h200.json)
 DRAFT_ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
 METHODS = ("jetspec", "ddtree", "dflash", "jetspec-tc")
@@ -198,11 +198,11 @@ class HeadDrafter:
     def max_depth(self) -> int:
         return self.cfg.max_depth
 
-    def for_spec(self, spec: "SpecConfig") -> "HeadDrafter":
-        """This drafter, keeping rows for `spec`'s tree-causal pass where it runs on the kernel path."""
-        if not spec.tree_causal or self.attention_impl == "xla":
-            return self
-        return dataclasses.replace(self, tree_slots=spec.tree_pass_slots(spec.depth(self.max_depth)))
+    def for_specs(self, specs: Iterable[SpecConfig]) -> HeadDrafter:
+        """This drafter keeping rows for the largest tree-causal pass of `specs` (kernel_rows counts them
+        where the kernel path runs), so that every one of them runs on the kernel too."""
+        slots = max((s.tree_pass_slots(s.depth(self.max_depth)) for s in specs if s.tree_causal), default=0)
+        return dataclasses.replace(self, tree_slots=slots)
 
     @property
     def kernel_rows(self) -> int:

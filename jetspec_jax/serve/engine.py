@@ -138,9 +138,7 @@ class Engine:
             head_cfg, self.head_params = head
             self.drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention)
             self.policy = BudgetPolicy.create(budget, width, slots, target, cost_table, method)
-            # jetspec-tc: rows for the largest budget's second pass, so that every budget's runs on the kernel
-            self.drafter = max((self.drafter.for_spec(self.spec(b)) for b in self.policy.budgets),
-                               key=lambda drafter: drafter.tree_slots)
+            self.drafter = self.drafter.for_specs(self.spec(b) for b in self.policy.budgets)  # jetspec-tc's rows
         scratch = max([device.scratch_rows(self.spec(b), self.spec(b).depth(self.drafter.max_depth))  # validates
                        for b in self.policy.budgets] if self.policy else [1])
         rows = -(-max_len // 64) * 64
