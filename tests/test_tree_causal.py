@@ -247,7 +247,8 @@ def test_second_pass_on_the_kernel_is_lossless_at_t0(tiny_qwen3):
     spec = SpecConfig("jetspec-tc", 8, 3)
     slots = spec.tree_pass_slots(spec.depth(drafter.max_depth))
     assert slots > drafter.cfg.block_size  # the pass the dense path used to take
-    kernel = dataclasses.replace(drafter, attention_impl="pallas_interpret", tree_slots=slots)
+    kernel = dataclasses.replace(drafter, attention_impl="pallas_interpret").for_specs([spec])
+    assert kernel.tree_slots == slots
     want, want_n = run_ar(target, PROMPTS[:2], gen)
     out = run_spec(target, kernel, head, PROMPTS[:2], gen, spec)
     np.testing.assert_array_equal(np.asarray(out.num_tokens), want_n)
