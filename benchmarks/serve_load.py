@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -114,13 +115,23 @@ async def closed_loop(url: str, prompts, concurrency: int, requests: int, max_to
         return results, time.perf_counter() - t0
 
 
-def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch) -> dict:
+def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch, chunks: list[dict],
+              prefill_s: float) -> dict:
+    """One level's row. From the engine's side: the chunks it ran in the window, their mean steps and ms a
+    step, and the shares of the wall time spent in chunks and in admissions (the rest: the host between
+    them, or no work)."""
     tokens = sum(r["tokens"] for r in results)
+    steps = sum(c["steps"] for c in chunks)
+    chunk_s = sum(c["seconds"] for c in chunks)
     return dict(variant=variant, concurrency=concurrency, requests=len(results), completion_tokens=tokens,
                 throughput=tokens / wall, ttft_median_s=statistics.median(r["ttft"] for r in results),
                 request_tokens_per_second=statistics.median(r["tokens_per_second"] for r in results),
-                tau=metrics.get("tau"), last_budget=metrics.get("budget"), compilations=compiles.programs,
-                compile_s=compiles.seconds, compiled_programs=compiles.names,
+                tau=metrics.get("tau"), last_budget=metrics.get("budget"),
+                budgets_used=dict(collections.Counter(str(c["budget"]) for c in chunks)),
+                chunks=len(chunks), steps_per_chunk=steps / len(chunks) if chunks else 0.0,
+                ms_per_step=chunk_s * 1e3 / steps if steps else None, chunk_share=chunk_s / wall,
+                prefill_share=prefill_s / wall, compilations=compiles.programs, compile_s=compiles.seconds,
+                compiled_programs=compiles.names,
                 warning="COMPILED IN TIMED WINDOW" if compiles.programs or compiles.seconds else None)
 
 
@@ -158,19 +169,23 @@ def main(argv=None) -> int:
             warm_up[variant] = dict(seconds=warm.seconds, programs=warm.total, compilations=warm.compiled_programs,
                                     compiled_by_runs=warm.compiled_by_runs,
                                     first_request_compilations=first.programs)
+            stats = server.engine.stats
             for c in args.concurrency:
+                stats.history, prefill_before = [], stats.prefill_seconds
                 with CompileWatch() as compiles:
                     results, wall = asyncio.run(closed_loop(server.url, prompts, c, c * args.requests_per_level,
                                                             args.max_tokens))
-                rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles))
-                print_table(rows[-1:], [k for k in rows[-1] if k != "compiled_programs"])
+                rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles, stats.history,
+                                      stats.prefill_seconds - prefill_before))
+                print_table(rows[-1:], [k for k in rows[-1] if k not in ("compiled_programs", "budgets_used")])
         finally:
             server.close()
         add_ratios_to_ar(rows)
         if args.out:  # after each variant: a run cut short keeps the variants it finished
             write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
     columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
-               "request_tokens_per_second", "tau", "last_budget", "compile_s", "warning"]
+               "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "chunk_share",
+               "prefill_share", "compile_s", "warning"]
     print_table(rows, columns)
     print_table([dict(variant=v, **w) for v, w in warm_up.items()],
                 ["variant", "seconds", "programs", "compilations", "compiled_by_runs",

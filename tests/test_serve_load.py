@@ -47,6 +47,10 @@ def test_serve_load_times_no_compilation(tmp_path):
     for row in result["rows"]:
         assert row["compilations"] == 0 and row["compile_s"] == 0 and row["warning"] is None, row
         assert row["completion_tokens"] == 8 * row["requests"] and row["throughput"] > 0
+        # the engine's side of the window: chunks ran, at the variant's budget, within the wall time
+        assert row["chunks"] > 0 and 1 <= row["steps_per_chunk"] <= 2 and row["ms_per_step"] > 0
+        assert 0 < row["chunk_share"] + row["prefill_share"] <= 1
+        assert row["budgets_used"] == {"None" if row["variant"] == "ar" else row["variant"]: row["chunks"]}
     # chunks of 1 and 2 rows and prompt buckets of 64, 128 and 192 columns, for each variant
     assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 5, "8": 5}
     assert all(w["seconds"] > 0 for w in result["warm_up"].values())

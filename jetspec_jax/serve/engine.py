@@ -409,6 +409,7 @@ class EngineStats:
         self.recent: collections.deque = collections.deque()  # (time, tokens, forwards, accepted)
         self.requests_total = self.requests_finished = 0
         self.tokens_total = self.prompt_tokens_total = 0
+        self.prefill_seconds = 0.0  # admissions' wall time, compiled ones included
         self.compile_seconds = 0.0  # admissions and chunks that ran a program for the first time
         self.warm_up_seconds = 0.0  # the full warm-up (warmup.py), which compiles every program first
         self.budget: int | None = None
@@ -425,6 +426,7 @@ class EngineStats:
     def add_prefill(self, prompt_tokens: int, seconds: float, compiled: bool = False) -> None:
         with self.lock:
             self.prompt_tokens_total += prompt_tokens
+            self.prefill_seconds += seconds
             if compiled:
                 self.compile_seconds += seconds
 
