@@ -47,6 +47,7 @@ from jetspec_jax.speculative import (ATTENTION_IMPLS, CANDIDATE_FACTOR, DRAFT_AT
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
+from jetspec_jax.kernels.top_k import IMPLEMENTATIONS as TOP_K_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
 from jetspec_jax.tree import top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
@@ -97,6 +98,8 @@ def main():
     p.add_argument("--tree-builders", nargs="+", default=["auto"], choices=TREE_IMPLS,
                    help="the first builds the trees of every row and the whole step; the others' build "
                         "times are added as tree_ms_<builder>")
+    p.add_argument("--top-k", nargs="+", default=["auto"], choices=TOP_K_IMPLS,
+                   help="the tree stage's top-W over the vocabulary; as --tree-builders (others: tree_ms_topk_<impl>)")
     p.add_argument("--compactions", nargs="+", default=["auto"], choices=COMPACT_IMPLS,
                    help="cache compaction; as --tree-builders (others: accept_commit_ms_<compaction>)")
     p.add_argument("--width", type=int, default=7)
@@ -183,7 +186,7 @@ def main():
                 + [f"draft_ms_{impl}" for impl in args.draft_attention[1:]] + ["tree_builder", "tree_ms"]
                 + (["candidate_budget", "tc_pass_ms"] + [f"tc_pass_ms_{impl}" for impl in args.draft_attention[1:]]
                    + ["tc_select_ms"] if "jetspec-tc" in args.methods else [])
-                + [f"tree_ms_{b}" for b in args.tree_builders[1:]]
+                + [f"tree_ms_{b}" for b in args.tree_builders[1:]] + [f"tree_ms_topk_{k}" for k in args.top_k[1:]]
                 + ["verify_ms", "accept_commit_ms"] + [f"accept_commit_ms_{c}" for c in args.compactions[1:]]
                 + ["sum_ms", "loop_step_ms"] + [f"loop_step_ms_{g}" for g in args.gemm_backends[1:]]
                 + ["ar_step_ms", "verify_over_ar", "c_percent"])
@@ -216,7 +219,7 @@ def method_spec(args, method: str, budget: int, impl: str = "auto") -> SpecConfi
     """The step's settings for one row (jetspec-tc: a candidate tree of candidate_factor x budget)."""
     tc = method == "jetspec-tc"
     return SpecConfig(method, budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
-                      compact_impl=args.compactions[0], candidate_budget=args.candidate_factor * budget if tc else None,
+                      top_k_impl=args.top_k[0], compact_impl=args.compactions[0], candidate_budget=args.candidate_factor * budget if tc else None,
                       conditioned_width=args.conditioned_width if tc else None)
 
 
@@ -229,17 +232,19 @@ def stage_row(st: ContextState, budget: int, impl: str, method: str = "jetspec")
     spec = method_spec(args, method, budget, impl)
     tree_budget = spec.candidates if tc else budget  # jetspec-tc: this stage builds the candidate tree
 
-    def make_tree(logits, anchor, builder=args.tree_builders[0]):
-        tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width)
+    def make_tree(logits, anchor, builder=args.tree_builders[0], top_k=args.top_k[0]):
+        tokens, logps = top_candidates(jax.nn.log_softmax(logits, axis=-1), args.width, implementation=top_k)
         return build_trees(anchor, tokens, logps, budget=tree_budget, implementation=builder)
 
     tree_ms = {}
-    for builder in args.tree_builders:
-        def tree_body(i, logits, anchor, builder=builder):
-            tree = make_tree(logits, anchor, builder)
+    variants = [(b, args.top_k[0], b) for b in args.tree_builders] + [
+        (args.tree_builders[0], k, f"topk_{k}") for k in args.top_k[1:]]
+    for builder, top_k, name in variants:
+        def tree_body(i, logits, anchor, builder=builder, top_k=top_k):
+            tree = make_tree(logits, anchor, builder, top_k)
             return logits + 1e-6 * tree.scores[:, -1:, None]  # carried, so each build is real
 
-        tree_ms[builder] = per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
+        tree_ms[name] = per_iteration_ms(tree_body, st.draft_logits, st.iters, st.anchor)
     tree = jax.jit(make_tree)(st.draft_logits, st.anchor)
     tc_ms = {}
     if tc:

@@ -22,6 +22,7 @@ from jax import lax
 
 from jetspec_jax.autoregressive import GenerationConfig, is_stop_token, prefill
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS
+from jetspec_jax.kernels.top_k import IMPLEMENTATIONS as TOP_K_IMPLS
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS
 from jetspec_jax.kernels.tree_build import build_trees
 from jetspec_jax.kv_cache import KVCache, write_block
@@ -89,6 +90,7 @@ class SpecConfig:
     attention_impl: str = "auto"  # verify attention (qwen3.ATTENTION_IMPLS); auto = a Pallas kernel on GPU
     tree_impl: str = "auto"  # tree builder (kernels.tree_build.IMPLEMENTATIONS); auto = Pallas kernel on GPU
     compact_impl: str = "auto"  # cache compaction (kernels.cache_compact.IMPLEMENTATIONS); auto = Pallas on GPU
+    top_k_impl: str = "auto"  # the per-depth top-W over the vocabulary (kernels.top_k); auto = Pallas on GPU
     tree_temperature: float = 1.0  # the head's logits are divided by it before the tree is scored: 1 is the
     # published accum_logp; below 1 sharpens the per-depth distributions, so the best-first growth goes
     # deeper along likely paths. Only which nodes are drafted changes: the output stays exact
@@ -110,6 +112,8 @@ class SpecConfig:
             raise ValueError(f"tree_impl {self.tree_impl!r} is not one of {', '.join(TREE_IMPLS)}")
         if self.compact_impl not in COMPACT_IMPLS:
             raise ValueError(f"compact_impl {self.compact_impl!r} is not one of {', '.join(COMPACT_IMPLS)}")
+        if self.top_k_impl not in TOP_K_IMPLS:
+            raise ValueError(f"top_k_impl {self.top_k_impl!r} is not one of {', '.join(TOP_K_IMPLS)}")
         check_gemm_backend(self.gemm_backend)
         validate_tree_settings(self.budget, self.width, self.max_depth if self.max_depth is not None else 1)
 
@@ -302,7 +306,7 @@ def draft_tree(params: Any, drafter_params: Any, anchor: jax.Array, cache: KVCac
     a tree-causal second pass (`tree_causal_pass`, `select_trees`)."""
     draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
     cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft / spec.tree_temperature, axis=-1),
-                                             spec.tree_width)
+                                             spec.tree_width, implementation=spec.top_k_impl)
     if not spec.tree_causal:
         return build_trees(anchor, cand_tokens, cand_logps, budget=spec.budget, implementation=spec.tree_impl)
     candidates = build_trees(anchor, cand_tokens, cand_logps, budget=spec.candidates, implementation=spec.tree_impl)
@@ -330,7 +334,8 @@ def select_trees(candidates: Tree, nodes: jax.Array, real: jax.Array, cond_logps
                  depth: int) -> Tree:
     """The verified trees: spec.budget nodes of each candidate tree (and its offered children) by
     path-conditioned score (`tree.select_conditioned`)."""
-    return jax.vmap(lambda t, n, r, lp: select_conditioned(t, n, r, lp, spec.budget, spec.extend_width, depth))(
+    return jax.vmap(lambda t, n, r, lp: select_conditioned(t, n, r, lp, spec.budget, spec.extend_width, depth,
+                                                           top_k_impl=spec.top_k_impl))(
         candidates, nodes, real, cond_logps)
 
 

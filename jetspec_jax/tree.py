@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax.kernels.top_k import default_implementation, top_k
+
 
 class Tree(NamedTuple):
     tokens: jax.Array  # (..., B) int32; padding nodes hold 0
@@ -43,18 +45,27 @@ def validate_tree_settings(budget: int, width: int, max_depth: int, depth_limit:
         raise ValueError("invalid tree settings: " + "; ".join(problems))
 
 
-TOP_K_CHUNK = 512  # vocabulary entries per first-stage row of `top_candidates`
+TOP_K_CHUNK = 512  # vocabulary entries per first-stage row of the XLA path of `top_candidates`
 
 
-def top_candidates(log_probs: jax.Array, width: int, chunk: int | None = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
+def top_candidates(log_probs: jax.Array, width: int, chunk: int | None = TOP_K_CHUNK,
+                   implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
     """log_probs (..., D, V) -> top-W tokens (..., D, W) int32 and their log-probs, best first, ties to
-    the lower token id (as lax.top_k).
+    the lower token id (as lax.top_k); a NaN counts as -inf.
 
-    A long vocabulary is cut into `chunk`-entry rows, the top W of each row taken, then the top W of
+    "auto" takes the Pallas top-k (kernels/top_k.py) on GPU, whose cost stays flat in the batch. The
+    XLA path cuts a long vocabulary into `chunk`-entry rows, takes the top W of each, then the top W of
     those: XLA's GPU top-k gives each row one thread block, so 16 rows of 49k entries kept the H200
-    waiting 67 us a step, while thousands of short rows spread over every multiprocessor. The result
-    is the same: both stages keep ties in index order (chunk-major, then rank), and the -inf padding
-    of the last chunk sits after every real entry."""
+    waiting 67 us a step, while thousands of short rows spread over every multiprocessor (but sort,
+    at a cost that grows with the batch). Every path gives the same result: both stages keep ties in
+    index order (chunk-major, then rank), and the -inf padding of the last chunk sits after every real
+    entry."""
+    if implementation == "auto":
+        implementation = default_implementation()
+    if implementation != "xla":
+        values, tokens = top_k(log_probs, width, implementation)
+        return tokens, values
+    log_probs = jnp.where(jnp.isnan(log_probs), -jnp.inf, log_probs)
     v = log_probs.shape[-1]
     if chunk is None or width > chunk or v <= 2 * chunk:
         values, tokens = lax.top_k(log_probs, width)
@@ -199,7 +210,7 @@ LOGP_FLOOR = -1e30
 
 
 def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps: jax.Array, budget: int,
-                       extend: int, max_depth: int) -> Tree:
+                       extend: int, max_depth: int, top_k_impl: str = "auto") -> Tree:
     """Re-selects one sequence's tree by path-conditioned scores (jetspec-tc, after the tree-causal pass).
 
     tree: the candidate tree (C nodes); nodes / real (P,): its nodes with children (`internal_nodes`);
@@ -228,7 +239,7 @@ def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps
 
     pool_tokens, pool_parents, pool_depths, pool_scores = tree.tokens, tree.parents, tree.depths, scores
     if extend > 0:
-        ext_tokens, ext_lp = top_candidates(cond_logps, extend)  # (P, K)
+        ext_tokens, ext_lp = top_candidates(cond_logps, extend, implementation=top_k_impl)  # (P, K)
         # an offered token that is already a child of that node is dropped (siblings stay distinct)
         is_child = (tree.parents[None, :] == nodes[:, None]) & tree.valid[None, :]  # (P, C)
         dup = jnp.any(is_child[:, None, :] & (tree.tokens[None, None, :] == ext_tokens[:, :, None]), axis=-1)
