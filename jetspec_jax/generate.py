@@ -405,8 +405,7 @@ def streaming(args) -> bool:
     """Whether this command line streams: --stream/--no-stream, else whether stdout is a terminal. A
     setting the serving engine lacks keeps the batch path, or is an error with an explicit --stream."""
     wanted = sys.stdout.isatty() if args.stream is None else args.stream
-    lacking = [f"--gemm-backend {args.gemm_backend}"] if args.gemm_backend != "xla" else []
-    lacking += [f"--{name.replace('_', '-')} {getattr(args, name)}"  # the engine runs jetspec-tc with their defaults
+    lacking = [f"--{name.replace('_', '-')} {getattr(args, name)}"  # the engine runs jetspec-tc with their defaults
                 for name in ("candidate_budget", "conditioned_width") if getattr(args, name) is not None]
     if not wanted or not lacking:
         return wanted
@@ -471,7 +470,7 @@ def stream_answers(args, target: Target, method: str, head) -> GenerationResult:
                                extra=scratch_rows(spec, 0 if spec is None else spec.depth(head[0].max_depth)))
     engine = Engine(target, head, method=method, slots=1, max_len=cache_len, budget=args.budget, width=args.width,
                     chunk_steps=STREAM_CHUNK_STEPS, attention=args.attention, max_depth=args.max_depth,
-                    tree_temperature=args.tree_temperature)
+                    tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend)
     texts, token_ids, forwards = [], [], 0
     t0 = time.perf_counter()
     try:

@@ -17,6 +17,7 @@ from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
 from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.generate import pad_prompts, random_head
 from jetspec_jax.sampling import SamplingConfig
+from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.budget import BudgetPolicy, CostTable
 from jetspec_jax.serve.engine import (Engine, EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
                                       SamplingParams, TokenEvent)
@@ -134,6 +135,31 @@ def prompt_of(n: int) -> list[int]:
 
 
 AUTO_TABLE = [(1, 4, 1.0, 2.0), (1, 8, 1.2, 2.5), (4, 4, 1.5, 2.0), (4, 8, 2.0, 2.5)]  # budgets 4 and 8
+
+
+def test_cublas_chunks_give_the_same_tokens(target, heads):
+    """Chunks compiled for cuBLAS (on the CPU the option changes no result, but compiling with it checks
+    that this XLA knows it) give each greedy request offline generation's tokens."""
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=2, max_len=256, budget=8, width=3,
+                    chunk_steps=4, stop_token_ids=(EOS,), gemm_backend="cublas").start()
+    try:
+        handles = [engine.submit(EngineRequest(p, m, SamplingParams())) for p, m in zip(PROMPTS[:2], LIMITS[:2])]
+        results = [collect(h) for h in handles]
+    finally:
+        engine.shutdown()
+    assert [tokens for tokens, _ in results] == offline(target, None, "ar", PROMPTS[:2], LIMITS[:2])
+    with pytest.raises(ValueError, match="gemm_backend 'cudnn' is not one of xla, cublas"):
+        Engine(target, heads["jetspec"], gemm_backend="cudnn")
+
+
+def test_auto_gemm_backend_is_cublas_for_large_batched_steps_on_gpu(monkeypatch):
+    spec = SpecConfig("jetspec", 16, 7)
+    assert device.chunk_gemm_backend("auto", spec, 8) == "xla"  # not on a GPU
+    monkeypatch.setattr(device.jax, "default_backend", lambda: "gpu")
+    assert device.chunk_gemm_backend("auto", spec, 8) == "cublas"  # 128 tokens a step
+    assert device.chunk_gemm_backend("auto", spec, 4) == "xla"
+    assert device.chunk_gemm_backend("auto", None, 32) == "xla"  # AR keeps XLA's GEMMs
+    assert device.chunk_gemm_backend("xla", spec, 32) == "xla"
 
 
 def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path):

@@ -21,7 +21,7 @@ from typing import Sequence
 from jetspec_jax import cache
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.generate import load_for_cli
-from jetspec_jax.speculative import METHODS
+from jetspec_jax.speculative import GEMM_BACKENDS, METHODS
 
 WARMUP_MODES = ("full", "first", "none")
 
@@ -59,6 +59,8 @@ def build_parser() -> OneLineErrorParser:
                    help="fewest slot rows a chunk runs (chunks run 1, 2, 4, ... rows, one compilation each); "
                         "--min-batch equal to --slots compiles once")
     p.add_argument("--cost-table", default=None, help="step-cost table for --budget auto")
+    p.add_argument("--gemm-backend", choices=("auto",) + tuple(GEMM_BACKENDS), default="auto",
+                   help="matmul library of the decode chunks on GPU; auto: cuBLAS where a step verifies >= 128 tokens")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` clients send (default: the model file's name)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="answer length when a request gives none")
@@ -171,7 +173,8 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
             signals.check()
             engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len,
                             budget=args.budget, width=args.width, chunk_steps=args.chunk_steps,
-                            max_queue=args.max_queue, cost_table=args.cost_table, min_batch=args.min_batch)
+                            max_queue=args.max_queue, cost_table=args.cost_table, min_batch=args.min_batch,
+                            gemm_backend=args.gemm_backend)
             engine.start(warm_up=args.warmup == "full")
             if args.warmup == "full":
                 print(f"warm-up: compiling every program: {engine.warm_up.describe()}", file=sys.stderr)

@@ -23,7 +23,7 @@ from jetspec_jax.sampling import RowSampling, SamplingConfig
 from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.budget import BudgetPolicy, load_bucket
 from jetspec_jax.serve.warmup import WarmUp
-from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig
+from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig, check_gemm_backend
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +112,21 @@ class Engine:
                  budget: int | str = 64, width: int = 7, chunk_steps: int = 8, max_queue: int = 64,
                  cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
                  attention: str = "auto", min_batch: int = 1, max_depth: int | None = None,
-                 tree_temperature: float = 1.0, draft_attention: str = "auto"):
+                 tree_temperature: float = 1.0, draft_attention: str = "auto", gemm_backend: str = "auto"):
         """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
         ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
         per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py);
-        `max_depth` and `tree_temperature` are SpecConfig's, `draft_attention` HeadDrafter's."""
+        `max_depth` and `tree_temperature` are SpecConfig's, `draft_attention` HeadDrafter's; `gemm_backend`
+        is a speculative.GEMM_BACKENDS name or "auto" (device.chunk_gemm_backend: per chunk size)."""
         from jetspec_jax.generate import pad_token, stop_tokens
 
         if method != "ar" and method not in METHODS:
             raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
         if method != "ar" and head is None:
             raise ValueError(f"method {method!r} needs a draft head")
+        if gemm_backend != "auto":
+            check_gemm_backend(gemm_backend)
+        self.gemm_backend = gemm_backend
         for name, value in (("slots", slots), ("chunk_steps", chunk_steps), ("max_queue", max_queue)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -192,12 +196,13 @@ class Engine:
                 jnp.int32(max_new_tokens))
         return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids)
 
-    def _chunk_call(self, budget: int | None, rows: int) -> tuple[tuple, dict]:
-        """device.run_chunk's arguments for a chunk of `rows` slot rows at `budget` (None: AR)."""
-        return (self.target.params, self.head_params, self.slots), dict(
-            cfg=self.target.cfg, drafter=self.drafter, spec=None if budget is None else self.spec(budget),
-            steps=self.chunk_steps, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-            attention=self.attention, active=rows)
+    def _chunk_call(self, budget: int | None, rows: int):
+        """(the chunk program, its arguments) for a chunk of `rows` slot rows at `budget` (None: AR)."""
+        spec = None if budget is None else self.spec(budget)
+        program = device.CHUNK_PROGRAMS[device.chunk_gemm_backend(self.gemm_backend, spec, rows)]
+        return program, (self.target.params, self.head_params, self.slots), dict(
+            cfg=self.target.cfg, drafter=self.drafter, spec=spec, steps=self.chunk_steps,
+            eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, attention=self.attention, active=rows)
 
     def _warm_up_call(self, program: tuple):
         """(jitted function, args, kwargs) of a run of `program` that changes no request: a one-token
@@ -206,7 +211,7 @@ class Engine:
         if program[0] == "admit":
             return (device.admit, *self._admit_call(0, [self.pad_token_id], SamplingParams().config(), 1, 0,
                                                     width=program[1]))
-        return (device.run_chunk, *self._chunk_call(*program[1:]))
+        return self._chunk_call(*program[1:])
 
     def lower_program(self, program: tuple) -> jax.stages.Lowered:
         """`program` lowered on the arguments the engine passes it: `.compile()` fills jax's caches for
@@ -377,8 +382,8 @@ class Engine:
         active = self.chunk_rows(live_slots[-1] + 1)
         budget = self.policy.choose(live, active) if self.policy else None
         t0 = time.perf_counter()
-        args, kwargs = self._chunk_call(budget, active)
-        self.slots, out = device.run_chunk(*args, **kwargs)
+        program, args, kwargs = self._chunk_call(budget, active)
+        self.slots, out = program(*args, **kwargs)
         tokens, counts, finished, steps, accepted = jax.device_get(
             (out.tokens, out.num_tokens, out.finished, out.steps, out.accepted))
         seconds = time.perf_counter() - t0

@@ -15,7 +15,7 @@ from jetspec_jax.autoregressive import is_stop_token, prefill
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import RowSampling, select_tokens_rows
-from jetspec_jax.speculative import SpecConfig, speculative_cache_rows, speculative_step
+from jetspec_jax.speculative import GEMM_BACKENDS, SpecConfig, speculative_cache_rows, speculative_step
 
 
 class Slots(NamedTuple):
@@ -91,9 +91,7 @@ def release(slots: Slots, index: int) -> Slots:
     return slots._replace(live=slots.live.at[index].set(False))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec", "steps", "eos_token_ids", "pad_token_id",
-                                             "attention", "active"), donate_argnames=("slots",))
-def run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, drafter, spec: SpecConfig | None,
+def _run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, drafter, spec: SpecConfig | None,
               steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int, attention: str = "auto",
               active: int | None = None) -> tuple[Slots, ChunkOutput]:
     """Up to `steps` steps for the slots (speculative with `spec`, else one AR token each, with
@@ -102,7 +100,7 @@ def run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, drafte
     ones there): a light load pays for a small batch, not for every slot."""
     if active is not None and active < slots.anchor.shape[0]:
         head = jax.tree.map(lambda a: a[:active], slots)
-        head, out = run_chunk.__wrapped__(params, drafter_params, head, cfg=cfg, drafter=drafter, spec=spec,
+        head, out = _run_chunk(params, drafter_params, head, cfg=cfg, drafter=drafter, spec=spec,
                                           steps=steps, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                           attention=attention)
         return jax.tree.map(lambda a, h: a.at[:active].set(h), slots, head), out
@@ -156,3 +154,27 @@ def run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, drafte
     carry = (jnp.int32(0), slots, out, zeros, jnp.zeros((n,), bool), jnp.int32(0))
     i, slots, out, emitted, finished, accepted = lax.while_loop(cond, body, carry)
     return slots, ChunkOutput(tokens=out, num_tokens=emitted, finished=finished, steps=i, accepted=accepted)
+
+
+# one jitted chunk per GEMM backend (compiler options are per executable): see chunk_gemm_backend
+CHUNK_PROGRAMS = {name: jax.jit(_run_chunk, static_argnames=("cfg", "drafter", "spec", "steps", "eos_token_ids",
+                                                             "pad_token_id", "attention", "active"),
+                                donate_argnames=("slots",), compiler_options=options)
+                  for name, options in GEMM_BACKENDS.items()}
+run_chunk = CHUNK_PROGRAMS["xla"]
+
+# Verified tokens a step (rows x budget) from which cuBLAS runs the step's matmuls faster than XLA's
+# Triton GEMMs on the H200: a whole batch-8 B=16 step 1.52 against 1.68 ms, batch 1 B=256 1.52 against
+# 1.71; batch 1 B=64 1.30 against 1.26 (benchmarks/results/spec_step_breakdown_batch8_gemm_h200.json,
+# spec_step_breakdown_gemm_*_h200.json).
+CUBLAS_FROM_TOKENS = 128
+
+
+def chunk_gemm_backend(setting: str, spec: SpecConfig | None, rows: int) -> str:
+    """The GEMM backend of a chunk: `setting` itself unless it is "auto", which picks cuBLAS on GPU for
+    speculative chunks that verify at least CUBLAS_FROM_TOKENS tokens a step (AR keeps XLA's)."""
+    if setting != "auto":
+        return setting
+    if spec is None or jax.default_backend() != "gpu":
+        return "xla"
+    return "cublas" if rows * spec.budget >= CUBLAS_FROM_TOKENS else "xla"
