@@ -53,13 +53,13 @@ def top_candidates(log_probs: jax.Array, width: int, chunk: int | None = TOP_K_C
     """log_probs (..., D, V) -> top-W tokens (..., D, W) int32 and their log-probs, best first, ties to
     the lower token id (as lax.top_k); a NaN counts as -inf.
 
-    "auto" takes the Pallas top-k (kernels/top_k.py) on GPU, whose cost stays flat in the batch. The
-    XLA path cuts a long vocabulary into `chunk`-entry rows, takes the top W of each, then the top W of
-    those: XLA's GPU top-k gives each row one thread block, so 16 rows of 49k entries kept the H200
-    waiting 67 us a step, while thousands of short rows spread over every multiprocessor (but sort,
-    at a cost that grows with the batch). Every path gives the same result: both stages keep ties in
-    index order (chunk-major, then rank), and the -inf padding of the last chunk sits after every real
-    entry."""
+    "auto" takes the Pallas top-k (kernels/top_k.py) on GPU, a quarter of the XLA path's cost at
+    batch 8 and 32. The XLA path cuts a long vocabulary into `chunk`-entry rows, takes the top W of
+    each, then the top W of those: XLA's GPU top-k gives each row one thread block, so 16 rows of 49k
+    entries kept the H200 waiting 67 us a step, while thousands of short rows spread over every
+    multiprocessor (as a sort, whose cost grows with the batch). Every path gives the same result:
+    both stages keep ties in index order (chunk-major, then rank), and the -inf padding of the last
+    chunk sits after every real entry."""
     if implementation == "auto":
         implementation = default_implementation()
     if implementation != "xla":

@@ -1,12 +1,13 @@
 """Top-k over the vocabulary for many rows at once (the tree's per-depth candidates), as Pallas kernels.
 
 XLA's GPU top-k over (rows x 49,152) logits is one thread block per row; cut into short rows it
-becomes a sort, whose cost grows with the batch: 0.06 / 0.27 / 0.52 / 0.98 ms at 1 / 8 / 16 / 32
-sequences of 15 depths on the H200, a fifth of a batch-8 speculative step. Here each program takes
-one `chunk` of one row and keeps its k best by k rounds of max-then-lowest-index inside the block
-(two block reductions a round, nothing written in between); a second pass does the same over the
-chunks' winners. Same tokens and values as `lax.top_k`, ties to the lower index; a NaN counts as
--inf (callers read log-probabilities, where a NaN is a broken logit, never a candidate).
+becomes a sort whose cost grows with the batch (215 us of a batch-8 step on the H200,
+benchmarks/results/spec_step_profile_batch8_h200.json). Here each program takes one `chunk` of one
+row and keeps its k best by k rounds of max-then-lowest-index inside the block (two block reductions
+a round, nothing written in between); a second pass does the same over the chunks' winners. The tree
+stage (log-softmax, top-k, build) at batch 8 / 32 went from 0.30 / 1.09 to 0.08 / 0.28 ms
+(spec_step_breakdown_topk_batch*_h200.json). Same tokens and values as `lax.top_k`, ties to the lower
+index; a NaN counts as -inf (callers read log-probabilities, where a NaN is a broken logit).
 """
 
 from __future__ import annotations
