@@ -46,8 +46,8 @@ from jetspec_jax.speculative import (ATTENTION_IMPLS, CANDIDATE_FACTOR, DRAFT_AT
                                      speculative_generate, tree_causal_pass)
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS  # noqa: E402
-from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
 from jetspec_jax.kernels.top_k import IMPLEMENTATIONS as TOP_K_IMPLS  # noqa: E402
+from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
 from jetspec_jax.tree import top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
@@ -219,7 +219,8 @@ def method_spec(args, method: str, budget: int, impl: str = "auto") -> SpecConfi
     """The step's settings for one row (jetspec-tc: a candidate tree of candidate_factor x budget)."""
     tc = method == "jetspec-tc"
     return SpecConfig(method, budget, args.width, attention_impl=impl, tree_impl=args.tree_builders[0],
-                      top_k_impl=args.top_k[0], compact_impl=args.compactions[0], candidate_budget=args.candidate_factor * budget if tc else None,
+                      top_k_impl=args.top_k[0], compact_impl=args.compactions[0],
+                      candidate_budget=args.candidate_factor * budget if tc else None,
                       conditioned_width=args.conditioned_width if tc else None)
 
 

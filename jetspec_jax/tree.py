@@ -220,6 +220,7 @@ def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps
     children). The `budget` best of candidates and offered children become the tree, ties to the
     lower index: a child never outscores its parent (log q <= 0, and it comes later), so the set is
     ancestor-closed, and it is what best-first growth one node at a time over the same pool gives.
+    `top_k_impl` is the offered children's top-k (kernels/top_k.py).
     Returns a Tree padded to `budget`, nodes in score order (parents before children)."""
     c = tree.tokens.shape[-1]
     p = nodes.shape[-1]

@@ -92,17 +92,16 @@ def release(slots: Slots, index: int) -> Slots:
 
 
 def _run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, drafter, spec: SpecConfig | None,
-              steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int, attention: str = "auto",
-              active: int | None = None) -> tuple[Slots, ChunkOutput]:
+               steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int, attention: str = "auto",
+               active: int | None = None) -> tuple[Slots, ChunkOutput]:
     """Up to `steps` steps for the slots (speculative with `spec`, else one AR token each, with
     `attention` as the decode steps' attention); returns early after the step in which any slot
     finished, so the host can refill it. Only the first `active` slots run (the host keeps the live
     ones there): a light load pays for a small batch, not for every slot."""
     if active is not None and active < slots.anchor.shape[0]:
         head = jax.tree.map(lambda a: a[:active], slots)
-        head, out = _run_chunk(params, drafter_params, head, cfg=cfg, drafter=drafter, spec=spec,
-                                          steps=steps, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                                          attention=attention)
+        head, out = _run_chunk(params, drafter_params, head, cfg=cfg, drafter=drafter, spec=spec, steps=steps,
+                               eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, attention=attention)
         return jax.tree.map(lambda a, h: a.at[:active].set(h), slots, head), out
     params = qwen3.fuse_for_decode(params)
     depth = 0 if spec is None else spec.depth(drafter.max_depth)
@@ -161,7 +160,6 @@ CHUNK_PROGRAMS = {name: jax.jit(_run_chunk, static_argnames=("cfg", "drafter", "
                                                              "pad_token_id", "attention", "active"),
                                 donate_argnames=("slots",), compiler_options=options)
                   for name, options in GEMM_BACKENDS.items()}
-run_chunk = CHUNK_PROGRAMS["xla"]
 
 # Verified tokens a step (rows x budget) from which cuBLAS runs the step's matmuls faster than XLA's
 # Triton GEMMs on the H200: a whole batch-8 B=16 step 1.52 against 1.68 ms, batch 1 B=256 1.52 against
