@@ -315,6 +315,20 @@ def test_adaptive_budget_learns_online_without_a_table(target):
     assert policy.choose(4) == max(rates, key=rates.get)
 
 
+def test_observations_refine_the_table_instead_of_replacing_it(target, tmp_path):
+    """One noisy chunk does not overturn a measured table; a steady difference does, gradually."""
+    path = cost_table(tmp_path, [(1, 16, 1.0, 2.5), (1, 64, 1.0, 3.0)])
+    policy = BudgetPolicy.create("auto", 7, 8, target, path)
+    assert policy.choose(1) == 64
+    policy.observe(64, 1, step_seconds=1e-3, tau=2.0)  # one unlucky chunk
+    assert policy.observed_tau[64] == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)
+    assert policy.choose(1) == 64
+    for _ in range(10):
+        policy.observe(64, 1, step_seconds=1e-3, tau=2.0)  # B=64 keeps accepting less on this workload
+    assert policy.choose(1) == 16
+    assert policy.observed_ms[(1, 64)] == pytest.approx(1.0)
+
+
 def test_bad_cost_table_is_named(target, tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"rows": [{"batch": 1}]}')

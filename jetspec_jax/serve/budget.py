@@ -123,10 +123,14 @@ class BudgetPolicy:
         return max(self.budgets, key=lambda b: self.expected_rate(live, b, batch))
 
     def observe(self, budget: int, batch: int, step_seconds: float, tau: float) -> None:
+        """One chunk's step time and tau move the estimates by OBSERVED_WEIGHT from where they were: the
+        table's values to begin with (one chunk of 8 steps is a noisy sample of tau; the table averages
+        hundreds), or the first observation where the table has none."""
         key = (load_bucket(batch), budget)
         self.tries[key] = self.tries.get(key, 0) + 1
         ms = step_seconds * 1e3
-        self.observed_ms[key] = ms if key not in self.observed_ms else (
-            (1 - OBSERVED_WEIGHT) * self.observed_ms[key] + OBSERVED_WEIGHT * ms)
-        self.observed_tau[budget] = tau if budget not in self.observed_tau else (
-            (1 - OBSERVED_WEIGHT) * self.observed_tau[budget] + OBSERVED_WEIGHT * tau)
+        prior_ms = self.observed_ms.get(key, self.table.step_time(batch, budget))
+        self.observed_ms[key] = ms if prior_ms is None else (1 - OBSERVED_WEIGHT) * prior_ms + OBSERVED_WEIGHT * ms
+        prior_tau = self.observed_tau.get(budget, self.table.tau.get(budget))
+        self.observed_tau[budget] = tau if prior_tau is None else (
+            (1 - OBSERVED_WEIGHT) * prior_tau + OBSERVED_WEIGHT * tau)
