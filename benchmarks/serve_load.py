@@ -5,7 +5,9 @@ tokens/s at each concurrency, for AR, fixed budgets and the adaptive budget, in 
         --out benchmarks/results/serve_load_h200.json
 
 Each variant is a server on 127.0.0.1 (the real app and engine, in this process, over HTTP) with the
-same slots; each concurrency level keeps that many streamed chat requests in flight (closed loop) over
+same slots; the clients run in a process of their own (in one process they would share the engine's
+interpreter lock, and their SSE parsing would count as the server's host time); each concurrency
+level keeps that many streamed chat requests in flight (closed loop) over
 MATH-500 and MT-Bench prompts taken in turn, at T=0, and times --requests-per-level x concurrency of them.
 Before its first level each variant's engine runs the server's full warm-up (`--warmup full`: every prompt
 bucket, batch size and budget compiled; its seconds are in the JSON's `warm_up`) and answers one short
@@ -20,8 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import itertools
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -115,6 +119,11 @@ async def closed_loop(url: str, prompts, concurrency: int, requests: int, max_to
         return results, time.perf_counter() - t0
 
 
+def run_level(url: str, prompts, concurrency: int, requests: int, max_tokens: int) -> tuple[list, float]:
+    """closed_loop in the clients' process."""
+    return asyncio.run(closed_loop(url, prompts, concurrency, requests, max_tokens))
+
+
 def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch, chunks: list[dict],
               prefill_s: float) -> dict:
     """One level's row. From the engine's side: the chunks it ran in the window, their mean steps and ms a
@@ -159,30 +168,18 @@ def main(argv=None) -> int:
     prompts = math_and_chat_prompts(args.data_dir)
 
     rows, warm_up = [], {}
-    for variant in args.variants:
-        server = LiveServer(target, head, variant, args)
-        warm = server.engine.warm_up
-        print(f"{variant}: warm-up took {warm.seconds:.1f} s", flush=True)
-        try:
-            with CompileWatch() as first:  # the HTTP path's own first use (chat template, connections), untimed
-                asyncio.run(closed_loop(server.url, prompts, 1, 1, 2))
-            warm_up[variant] = dict(seconds=warm.seconds, programs=warm.total, compilations=warm.compiled_programs,
-                                    compiled_by_runs=warm.compiled_by_runs,
-                                    first_request_compilations=first.programs)
-            stats = server.engine.stats
-            for c in args.concurrency:
-                stats.history, prefill_before = [], stats.prefill_seconds
-                with CompileWatch() as compiles:
-                    results, wall = asyncio.run(closed_loop(server.url, prompts, c, c * args.requests_per_level,
-                                                            args.max_tokens))
-                rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles, stats.history,
-                                      stats.prefill_seconds - prefill_before))
-                print_table(rows[-1:], [k for k in rows[-1] if k not in ("compiled_programs", "budgets_used")])
-        finally:
-            server.close()
-        add_ratios_to_ar(rows)
-        if args.out:  # after each variant: a run cut short keeps the variants it finished
-            write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of this one's jax threads
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as clients:
+        for variant in args.variants:
+            server = LiveServer(target, head, variant, args)
+            print(f"{variant}: warm-up took {server.engine.warm_up.seconds:.1f} s", flush=True)
+            try:
+                measure_variant(server, variant, clients, prompts, args, rows, warm_up)
+            finally:
+                server.close()
+            add_ratios_to_ar(rows)
+            if args.out:  # after each variant: a run cut short keeps the variants it finished
+                write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
     columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
                "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "chunk_share",
                "prefill_share", "compile_s", "warning"]
@@ -194,6 +191,24 @@ def main(argv=None) -> int:
         print("WARNING: rows flagged above compiled inside their timed window: their numbers include compile time",
               file=sys.stderr)
     return 0
+
+
+def measure_variant(server: LiveServer, variant: str, clients, prompts, args, rows: list, warm_up: dict) -> None:
+    """Every concurrency level against one warmed-up server; the rows and the warm-up record are added."""
+    warm = server.engine.warm_up
+    with CompileWatch() as first:  # the HTTP path's own first use (chat template, connections), untimed
+        clients.submit(run_level, server.url, prompts, 1, 1, 2).result()
+    warm_up[variant] = dict(seconds=warm.seconds, programs=warm.total, compilations=warm.compiled_programs,
+                            compiled_by_runs=warm.compiled_by_runs, first_request_compilations=first.programs)
+    stats = server.engine.stats
+    for c in args.concurrency:
+        stats.history, prefill_before = [], stats.prefill_seconds
+        with CompileWatch() as compiles:
+            results, wall = clients.submit(run_level, server.url, prompts, c, c * args.requests_per_level,
+                                           args.max_tokens).result()
+        rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles, stats.history,
+                              stats.prefill_seconds - prefill_before))
+        print_table(rows[-1:], [k for k in rows[-1] if k not in ("compiled_programs", "budgets_used")])
 
 
 def add_ratios_to_ar(rows: list[dict]) -> None:
