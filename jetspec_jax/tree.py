@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jetspec_jax.kernels.top_k import default_implementation, top_k
+from jetspec_jax.kernels.top_k import default_implementation, top_k, top_k_reference
 
 
 class Tree(NamedTuple):
@@ -65,11 +65,11 @@ def top_candidates(log_probs: jax.Array, width: int, chunk: int | None = TOP_K_C
     if implementation != "xla":
         values, tokens = top_k(log_probs, width, implementation)
         return tokens, values
-    log_probs = jnp.where(jnp.isnan(log_probs), -jnp.inf, log_probs)
     v = log_probs.shape[-1]
     if chunk is None or width > chunk or v <= 2 * chunk:
-        values, tokens = lax.top_k(log_probs, width)
-        return tokens.astype(jnp.int32), values.astype(jnp.float32)
+        values, tokens = top_k_reference(log_probs, width)
+        return tokens, values
+    log_probs = jnp.where(jnp.isnan(log_probs), -jnp.inf, log_probs)  # as top_k_reference
     lead = log_probs.shape[:-1]
     chunks = -(-v // chunk)
     padded = jnp.pad(log_probs, [(0, 0)] * len(lead) + [(0, chunks * chunk - v)], constant_values=-jnp.inf)
