@@ -69,21 +69,24 @@ PROMPTS = [[5, 12, 40], list(range(10, 27)), [90, 3, 3, 8, 60] * 8, [44] * 9, [2
 LIMITS = [12, 30, 7, 20, 25, 16]
 
 
-@pytest.mark.parametrize("method", ["jetspec", "ddtree", "ar"])
-def test_t0_requests_equal_offline_generation(target, heads, method):
-    """Six requests on three slots (the later ones admitted as earlier ones finish), with sampled
-    requests sharing the batch: each greedy output is offline generation's, token for token (jetspec
-    after the full warm-up, whose runs leave no trace in the slots)."""
+@pytest.mark.parametrize("method, overlap", [("jetspec", True), ("ddtree", True), ("ar", True), ("ddtree", False)])
+def test_t0_requests_equal_offline_generation(target, heads, method, overlap):
+    """Six requests on three slots (the first three admitted in one call, the later ones as earlier
+    ones finish), with sampled requests sharing the batch: each greedy output is offline generation's,
+    token for token, whether chunks overlap the host's reading of the last one or not (jetspec after
+    the full warm-up, whose runs leave no trace in the slots)."""
     engine = Engine(target, heads[method], method=method, slots=3, max_len=256, budget=8, width=3, chunk_steps=4,
-                    stop_token_ids=(EOS,)).start(warm_up=method == "jetspec")
+                    stop_token_ids=(EOS,), overlap=overlap)
     try:
         greedy = [engine.submit(EngineRequest(p, m, SamplingParams(), f"g{i}"))
                   for i, (p, m) in enumerate(zip(PROMPTS, LIMITS))]
         sampled = [engine.submit(EngineRequest(p, 10, SamplingParams(temperature=1.0, top_p=0.9, seed=i)))
                    for i, p in enumerate(PROMPTS[:2])]
+        engine.start(warm_up=method == "jetspec")
         results = [collect(h) for h in greedy + sampled]
     finally:
         engine.shutdown()
+    assert engine.stats.admitted == 8 and engine.stats.admissions < 8
     for (tokens, finish), prompt, expected in zip(results, PROMPTS, offline(target, heads[method], method,
                                                                               PROMPTS, LIMITS)):
         assert tokens == expected
@@ -130,6 +133,20 @@ def test_sampled_requests_follow_the_target_distribution(target, heads):
     assert chi_square_pvalue(np.bincount(tokens[:, 2], minlength=v), marginal3) > 1e-3
 
 
+@pytest.mark.parametrize("return_early, steps", [(False, 8), (True, 1)])
+def test_a_chunk_returns_when_a_slot_finishes_only_if_asked(target, return_early, steps):
+    """The host asks a chunk to return after the step in which a slot finished when requests wait for
+    one; otherwise the chunk runs its steps and the finished slot idles."""
+    engine = Engine(target, None, method="ar", slots=2, max_len=128, chunk_steps=8, stop_token_ids=())
+    greedy = SamplingParams().config()
+    args, kwargs = engine._admit_call([(0, PROMPTS[0], greedy, 2, 0), (1, PROMPTS[1], greedy, 20, 0)])
+    engine.slots = device.admit(*args, **kwargs)[0]
+    program, args, kwargs = engine._chunk_call(None, 2, return_early)
+    out = jax.device_get(program(*args, **kwargs)[1])
+    assert int(out.steps) == steps and out.finished.tolist() == [True, False]
+    assert out.num_tokens.tolist() == [1, steps]
+
+
 def prompt_of(n: int) -> list[int]:
     return [(5 * i) % 90 + 3 for i in range(n)]
 
@@ -164,14 +181,17 @@ def test_auto_gemm_backend_is_cublas_for_large_batched_steps_on_gpu(monkeypatch)
 
 def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path):
     """Chunks run 1, 2, 4, ... rows up to the slots (at least min_batch), at each budget `auto` may pick;
-    admissions pad prompts to multiples of 64, up to the longest prompt a request may have."""
+    an admission of one prompt pads it to a multiple of 64, of a group of 2, 4 or 8 (max_admit) to 64
+    times a power of two, up to the longest prompt a request may have."""
     table = cost_table(tmp_path, AUTO_TABLE)
 
     def programs(**kw):
         engine = Engine(target, heads["jetspec"], **dict(method="jetspec", slots=32, max_len=512, width=3) | kw)
         chunks = sorted({p[1:] for p in engine.programs() if p[0] == "chunk"})
-        widths = [p[1] for p in engine.programs() if p[0] == "admit"]
-        assert widths == list(range(64, engine.max_context - 1 + 63, 64))  # prompt + one new token fit
+        admits = [p[1:] for p in engine.programs() if p[0] == "admit"]
+        longest = engine.max_context - 1  # prompt + one new token fit
+        assert admits == [(w, 1) for w in range(64, longest + 63, 64)] + [
+            (w, g) for g in (2, 4, 8) for w in (64, 128, 256, 512) if w < 2 * longest]
         return chunks, engine.max_context
 
     chunks, context = programs(budget="auto", cost_table=table)
@@ -199,7 +219,7 @@ def test_full_warm_up_leaves_nothing_to_compile(target, heads, tmp_path, method,
         assert engine.warm_up.compiled_programs >= engine.warm_up.total  # CompileWatch sees jax's compilations
         with CompileWatch() as watch:
             last = engine.max_context - 1  # the longest prompt a request may have
-            widths = [p[1] for p in engine.programs() if p[0] == "admit"]
+            widths = [p[1] for p in engine.programs() if p[0] == "admit" and p[2] == 1]
             for n in sorted({1, last} | {n for w in widths for n in (w, w + 1) if n <= last}):
                 request = EngineRequest(prompt_of(n), min(6, engine.max_context - n))  # one at a time, in slot 0
                 assert collect(engine.submit(request))[1].reason == "length"

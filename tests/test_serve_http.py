@@ -460,8 +460,8 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(tiny):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT)
         r = chat(client, "hi", max_tokens=1)  # the first token comes from admission alone
         assert r.usage.completion_tokens == 1
-        # 2 chunks (AR x 1 and 2 rows) and 2 prompt buckets (64 and 128 columns)
-        assert any("warm-up (compilation of 4 programs) took" in line for line in log), "".join(log)
+        # 2 chunks (AR x 1 and 2 rows) and admissions of 1 and of 2 prompts in buckets of 64 and 128 columns
+        assert any("warm-up (compilation of 6 programs) took" in line for line in log), "".join(log)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

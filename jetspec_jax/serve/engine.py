@@ -112,12 +112,17 @@ class Engine:
                  budget: int | str = 64, width: int = 7, chunk_steps: int = 8, max_queue: int = 64,
                  cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
                  attention: str = "auto", min_batch: int = 1, max_depth: int | None = None,
-                 tree_temperature: float = 1.0, draft_attention: str = "auto", gemm_backend: str = "auto"):
+                 tree_temperature: float = 1.0, draft_attention: str = "auto", gemm_backend: str = "auto",
+                 max_admit: int = 8, overlap: bool = True):
         """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
         ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
         per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py);
         `max_depth` and `tree_temperature` are SpecConfig's, `draft_attention` HeadDrafter's; `gemm_backend`
-        is a speculative.GEMM_BACKENDS name or "auto" (device.chunk_gemm_backend: per chunk size)."""
+        is a speculative.GEMM_BACKENDS name or "auto" (device.chunk_gemm_backend: per chunk size).
+        Up to `max_admit` queued prompts are prefilled in one call. With `overlap` the device thread
+        launches the next chunk before it reads the last one's tokens, so the device does not wait on
+        the host between chunks (a chunk's time is then an estimate: see _read); without it, each chunk
+        is read before the next starts."""
         from jetspec_jax.generate import pad_token, stop_tokens
 
         if method != "ar" and method not in METHODS:
@@ -127,11 +132,13 @@ class Engine:
         if gemm_backend != "auto":
             check_gemm_backend(gemm_backend)
         self.gemm_backend = gemm_backend
-        for name, value in (("slots", slots), ("chunk_steps", chunk_steps), ("max_queue", max_queue)):
+        for name, value in (("slots", slots), ("chunk_steps", chunk_steps), ("max_queue", max_queue),
+                            ("max_admit", max_admit)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.target, self.method, self.num_slots, self.chunk_steps = target, method, slots, chunk_steps
         self.max_queue, self.attention, self.min_batch = max_queue, attention, min_batch
+        self.max_admit, self.overlap = min(max_admit, slots), overlap
         self.width, self.max_depth, self.tree_temperature = width, max_depth, tree_temperature
         self.eos_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else stop_tokens(target)
         self.pad_token_id = pad_token(target)
@@ -156,6 +163,7 @@ class Engine:
         self.lock = threading.Condition()
         self.closing, self.drain, self.deadline = False, True, math.inf
         self.compiled: set = set()  # programs run so far (see programs())
+        self.last_ready = 0.0  # perf_counter when the last chunk read was found finished
         self.thread: threading.Thread | None = None
         self.warm_up: WarmUp | None = None
         self.stats = EngineStats()
@@ -168,9 +176,17 @@ class Engine:
 
     # -- programs ------------------------------------------------------------------------------
 
-    def prompt_width(self, prompt_len: int) -> int:
-        """Columns of the admission program a prompt of `prompt_len` tokens runs in."""
-        return min(-(-prompt_len // PROMPT_BUCKET) * PROMPT_BUCKET, self.max_len)
+    def prompt_width(self, prompt_len: int, rows: int = 1) -> int:
+        """Columns of the admission program that prefills `rows` prompts, the longest `prompt_len` tokens: a
+        multiple of PROMPT_BUCKET for one prompt, a power-of-two multiple for a group (fewer programs)."""
+        buckets = -(-prompt_len // PROMPT_BUCKET)
+        if rows > 1:
+            buckets = 1 << (buckets - 1).bit_length()
+        return min(buckets * PROMPT_BUCKET, self.max_len)
+
+    def admission_rows(self, requests: int) -> int:
+        """Rows of the admission program for a group of `requests` (at most max_admit): a power of two."""
+        return 1 << (requests - 1).bit_length()
 
     def chunk_rows(self, live_top: int) -> int:
         """Slot rows a chunk runs while the highest live slot is number `live_top` - 1 (admission fills
@@ -180,37 +196,50 @@ class Engine:
     def programs(self) -> list[tuple]:
         """Every program a run can need, chunks first (they compile longest): ("chunk", budget, rows) for
         each budget the policy may pick (None for AR) and each batch size chunk_rows can give, and
-        ("admit", width) for each prompt bucket up to the longest prompt check_request accepts."""
+        ("admit", width, rows) for each group size and prompt bucket up to the longest prompt
+        check_request accepts."""
         budgets = self.policy.budgets if self.policy else (None,)
         rows = sorted({self.chunk_rows(top) for top in range(1, self.num_slots + 1)})
-        widths = sorted({self.prompt_width(n) for n in range(1, self.max_context)})  # prompt + >= 1 new token
-        return [("chunk", b, r) for b in budgets for r in rows] + [("admit", w) for w in widths]
+        groups = sorted({self.admission_rows(n) for n in range(1, self.max_admit + 1)})
+        admits = [("admit", w, g) for g in groups  # prompt + >= 1 new token
+                  for w in sorted({self.prompt_width(n, g) for n in range(1, self.max_context)})]
+        return [("chunk", b, r) for b in budgets for r in rows] + admits
 
-    def _admit_call(self, index: int, ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int,
-                    width: int | None = None) -> tuple[tuple, dict]:
-        """device.admit's arguments for a prompt into slot `index` (padded to its bucket, or to `width`)."""
-        prompt = np.full((1, width or self.prompt_width(len(ids))), self.pad_token_id, np.int32)
-        prompt[0, : len(ids)] = ids
-        args = (self.target.params, self.head_params, self.slots, jnp.int32(index), prompt,
-                jnp.asarray([len(ids)], jnp.int32), jax.random.key(seed), RowSampling.of([sampling]),
-                jnp.int32(max_new_tokens))
+    def _admit_call(self, requests: list[tuple[int, list[int], SamplingConfig, int, int]],
+                    width: int | None = None, rows: int | None = None) -> tuple[tuple, dict]:
+        """device.admit's arguments for a group of (slot, prompt ids, sampling, max_new_tokens, seed),
+        padded to its row and prompt buckets (or to `rows` x `width`)."""
+        rows = rows or self.admission_rows(len(requests))
+        width = width or self.prompt_width(max(len(r[1]) for r in requests), rows)
+        prompts = np.full((rows, width), self.pad_token_id, np.int32)
+        lengths, limits = np.ones(rows, np.int32), np.ones(rows, np.int32)
+        indices = np.full(rows, self.num_slots, np.int32)  # past the slots: a padding row writes nothing
+        seeds = np.zeros(rows, np.uint32)
+        configs = [SamplingParams().config()] * rows
+        for r, (index, ids, sampling, max_new_tokens, seed) in enumerate(requests):
+            prompts[r, : len(ids)], lengths[r], limits[r] = ids, len(ids), max_new_tokens
+            indices[r], seeds[r], configs[r] = index, seed & 0xFFFFFFFF, sampling  # jax.random.key's 32 bits
+        args = (self.target.params, self.head_params, self.slots, indices, prompts, lengths, seeds,
+                RowSampling.of(configs), limits)
         return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids)
 
-    def _chunk_call(self, budget: int | None, rows: int):
+    def _chunk_call(self, budget: int | None, rows: int, return_early: bool = False):
         """(the chunk program, its arguments) for a chunk of `rows` slot rows at `budget` (None: AR)."""
         spec = None if budget is None else self.spec(budget)
         program = device.CHUNK_PROGRAMS[device.chunk_gemm_backend(self.gemm_backend, spec, rows)]
-        return program, (self.target.params, self.head_params, self.slots), dict(
+        return program, (self.target.params, self.head_params, self.slots, np.bool_(return_early)), dict(
             cfg=self.target.cfg, drafter=self.drafter, spec=spec, steps=self.chunk_steps,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, attention=self.attention, active=rows)
 
     def _warm_up_call(self, program: tuple):
-        """(jitted function, args, kwargs) of a run of `program` that changes no request: a one-token
-        prompt admitted into slot 0 with max_tokens 1 (it ends at admission), or a chunk in which no slot
-        is live (its loop runs no step). Only while every slot is free."""
+        """(jitted function, args, kwargs) of a run of `program` that changes no request: one-token prompts
+        admitted into the first slots with max_tokens 1 (they end at admission), or a chunk in which no
+        slot is live (its loop runs no step). Only while every slot is free."""
         if program[0] == "admit":
-            return (device.admit, *self._admit_call(0, [self.pad_token_id], SamplingParams().config(), 1, 0,
-                                                    width=program[1]))
+            _, width, rows = program
+            greedy = SamplingParams().config()
+            group = [(i, [self.pad_token_id], greedy, 1, 0) for i in range(min(rows, self.num_slots))]
+            return (device.admit, *self._admit_call(group, width, rows))
         return self._chunk_call(*program[1:])
 
     def lower_program(self, program: tuple) -> jax.stages.Lowered:
@@ -295,14 +324,21 @@ class Engine:
     # -- the device thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
+        launched: LaunchedChunk | None = None
         try:
             if self.warm_up is not None:
                 self.warm_up.run(stop=lambda: self.closing)
-            while self._wait_for_work():
+            while self._wait_for_work(launched is not None):
                 self._drop_cancelled()
-                self._admit_pending()
-                if any(o is not None for o in self.owner):
-                    self._run_chunk()
+                admissions = self._admit_pending()
+                previous = launched
+                launched = self._launch_chunk() if any(o is not None for o in self.owner) else None
+                if previous is not None:
+                    self._read(previous)
+                self._read_admissions(admissions)  # queued after `previous`, so ready soon after it
+                if launched is not None and not self.overlap:
+                    self._read(launched)
+                    launched = None
         except Exception as e:  # a device failure ends every request with an error, never a hang
             log.exception("engine failed")
             with self.lock:
@@ -312,7 +348,8 @@ class Engine:
                 self.pending.clear()
                 self.owner = [None] * self.num_slots
 
-    def _wait_for_work(self) -> bool:
+    def _wait_for_work(self, launched: bool) -> bool:
+        """Whether to go round the loop again: requests to serve, or a launched chunk still to read."""
         with self.lock:
             while True:
                 busy = any(o is not None for o in self.owner)
@@ -325,7 +362,7 @@ class Engine:
                         self.owner = [None] * self.num_slots
                         return False
                     return True
-                if busy or self.pending:
+                if busy or self.pending or launched:
                     return True
                 self.lock.wait(timeout=0.5)
 
@@ -346,63 +383,117 @@ class Engine:
         handle.finish(reason)
         self.stats.requests_finished += 1
 
-    def _admit_pending(self) -> None:
+    def _owns(self, index: int, handle: RequestHandle) -> bool:
+        """Whether `handle` still holds slot `index`: tokens read after it was cancelled (and the slot
+        perhaps given to another request) are dropped."""
+        return self.owner[index] is handle and not handle.finished
+
+    def _admit_pending(self) -> list[Admission]:
+        """Launches admissions for queued requests while slots are free, up to max_admit a call; their
+        first tokens are read once the chunk before them is."""
+        admissions = []
         while True:
             with self.lock:
                 free = [i for i, o in enumerate(self.owner) if o is None]
-                if not free or not self.pending:
-                    return
-                handle = self.pending.popleft()
-                self.owner[free[0]] = handle
-            self._admit(free[0], handle)
+                group = [self.pending.popleft() for _ in range(min(len(free), len(self.pending), self.max_admit))]
+                for index, handle in zip(free, group):
+                    self.owner[index] = handle
+            if not group:
+                return admissions
+            admissions.append(self._admit(free[: len(group)], group))
 
-    def _admit(self, index: int, handle: RequestHandle) -> None:
-        request = handle.request
-        ids = request.prompt_ids
-        seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
-            np.random.bytes(4), "little")
-        program = ("admit", self.prompt_width(len(ids)))
+    def _admit(self, indices: list[int], handles: list[RequestHandle]) -> Admission:
+        requests = []
+        for index, handle in zip(indices, handles):
+            request = handle.request
+            seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
+                np.random.bytes(4), "little")
+            requests.append((index, request.prompt_ids, request.sampling.config(), request.max_new_tokens, seed))
+        args, kwargs = self._admit_call(requests)
+        rows = args[4].shape
+        program = ("admit", rows[1], rows[0])
         t0 = time.perf_counter()
-        args, kwargs = self._admit_call(index, ids, request.sampling.config(), request.max_new_tokens, seed)
         self.slots, first, finished = device.admit(*args, **kwargs)
-        first, finished = int(first), bool(finished)
-        self.stats.add_prefill(len(ids), time.perf_counter() - t0, compiled=program not in self.compiled)
-        self.compiled.add(program)
-        handle.post(TokenEvent([first]))
-        self.stats.add_tokens(1)
-        if finished:
-            self._free(index, self._reason(handle, first))
+        if program not in self.compiled:  # jax compiles it inside the call, before launching it
+            self.stats.add_compile(time.perf_counter() - t0)
+            self.compiled.add(program)
+        self.stats.add_admission([len(r[1]) for r in requests])
+        return Admission(indices, handles, first, finished)
 
     def _reason(self, handle: RequestHandle, last_token: int) -> str:
         return "stop" if last_token in self.eos_token_ids else "length"
 
-    def _run_chunk(self) -> None:
+    def _read_admissions(self, admissions: list[Admission]) -> None:
+        """Hands each admitted request its first token; frees the slots of those that ended there."""
+        for admission, (first, finished) in zip(admissions, jax.device_get([(a.first, a.finished)
+                                                                            for a in admissions])):
+            for row, (index, handle) in enumerate(zip(admission.indices, admission.handles)):
+                if not self._owns(index, handle):
+                    continue
+                handle.post(TokenEvent([int(first[row])]))
+                self.stats.add_tokens(1)
+                if finished[row]:
+                    self._free(index, self._reason(handle, int(first[row])))
+
+    def _launch_chunk(self) -> LaunchedChunk:
         live_slots = [i for i, o in enumerate(self.owner) if o is not None]
         live = len(live_slots)
         active = self.chunk_rows(live_slots[-1] + 1)
         budget = self.policy.choose(live, active) if self.policy else None
+        with self.lock:
+            return_early = bool(self.pending)  # requests wait for a slot: refill one as soon as it is free
+        program, args, kwargs = self._chunk_call(budget, active, return_early)
         t0 = time.perf_counter()
-        program, args, kwargs = self._chunk_call(budget, active)
         self.slots, out = program(*args, **kwargs)
+        launched = time.perf_counter()
+        key = ("chunk", budget, active)
+        compiled = key not in self.compiled
+        if compiled:
+            self.stats.add_compile(launched - t0)
+            self.compiled.add(key)
+        return LaunchedChunk(out, list(self.owner), budget, live, active, launched, compiled)
+
+    def _read(self, chunk: LaunchedChunk) -> None:
+        """Waits for a launched chunk and hands out its tokens. Its seconds run from its launch, or from the
+        last chunk's end if that came later, to its end: the device time of it and of the admissions
+        queued before it, unless the host read the last chunk late."""
         tokens, counts, finished, steps, accepted = jax.device_get(
-            (out.tokens, out.num_tokens, out.finished, out.steps, out.accepted))
-        seconds = time.perf_counter() - t0
+            (chunk.out.tokens, chunk.out.num_tokens, chunk.out.finished, chunk.out.steps, chunk.out.accepted))
+        ready = time.perf_counter()
+        seconds, self.last_ready = ready - max(chunk.launched, self.last_ready), ready
         steps, accepted, committed = int(steps), int(accepted), int(counts.sum())
-        program = ("chunk", budget, active)
-        compiled = program not in self.compiled  # this chunk's time includes compilation
-        self.compiled.add(program)
-        self.stats.add_chunk(budget, live, active, steps, committed, accepted, seconds, timed=not compiled)
-        if self.policy is not None and steps and not compiled:
-            self.policy.observe(budget, active, seconds / steps, (accepted + live * steps) / (live * steps))
-        for i in live_slots:
-            if counts[i] == 0:
+        timed = not chunk.compiled
+        self.stats.add_chunk(chunk.budget, chunk.live, chunk.active, steps, committed, accepted, seconds, timed=timed)
+        if self.policy is not None and steps and timed:
+            live_steps = chunk.live * steps
+            self.policy.observe(chunk.budget, chunk.active, seconds / steps, (accepted + live_steps) / live_steps)
+        for i, handle in enumerate(chunk.owners):
+            if handle is None or counts[i] == 0 or not self._owns(i, handle):
                 continue
-            handle = self.owner[i]
             handle.target_forwards += steps  # a live slot stays live for every step of the chunk
             new = tokens[i, : counts[i]].tolist()
             handle.post(TokenEvent(new))
             if finished[i]:
                 self._free(i, self._reason(handle, new[-1]))
+
+
+class Admission(NamedTuple):
+    """A launched admission: the slots and requests of its rows, and its device results (read later)."""
+    indices: list[int]
+    handles: list[RequestHandle]
+    first: jax.Array  # (R,) first tokens (rows past len(handles) pad)
+    finished: jax.Array  # (R,) ended at admission
+
+
+class LaunchedChunk(NamedTuple):
+    """A chunk on the device, with what the host knew when it launched it."""
+    out: device.ChunkOutput
+    owners: list[RequestHandle | None]  # each slot's request at launch
+    budget: int | None
+    live: int
+    active: int
+    launched: float  # perf_counter after the launch call returned
+    compiled: bool  # its program compiled in the launch call
 
 
 class EngineStats:
@@ -414,8 +505,8 @@ class EngineStats:
         self.recent: collections.deque = collections.deque()  # (time, tokens, forwards, accepted)
         self.requests_total = self.requests_finished = 0
         self.tokens_total = self.prompt_tokens_total = 0
-        self.prefill_seconds = 0.0  # admissions' wall time, compiled ones included
-        self.compile_seconds = 0.0  # admissions and chunks that ran a program for the first time
+        self.admissions = self.admitted = 0  # admission calls, and the requests they prefilled
+        self.compile_seconds = 0.0  # launch calls of admissions and chunks that compiled their program
         self.warm_up_seconds = 0.0  # the full warm-up (warmup.py), which compiles every program first
         self.budget: int | None = None
         self.history: list[dict] | None = None  # a benchmark sets a list to keep every chunk
@@ -428,12 +519,15 @@ class EngineStats:
         with self.lock:
             self.warm_up_seconds += seconds
 
-    def add_prefill(self, prompt_tokens: int, seconds: float, compiled: bool = False) -> None:
+    def add_admission(self, prompt_tokens: list[int]) -> None:
         with self.lock:
-            self.prompt_tokens_total += prompt_tokens
-            self.prefill_seconds += seconds
-            if compiled:
-                self.compile_seconds += seconds
+            self.prompt_tokens_total += sum(prompt_tokens)
+            self.admissions += 1
+            self.admitted += len(prompt_tokens)
+
+    def add_compile(self, seconds: float) -> None:
+        with self.lock:
+            self.compile_seconds += seconds
 
     def add_chunk(self, budget, live: int, active: int, steps: int, committed: int, accepted: int,
                   seconds: float, timed: bool = True) -> None:
@@ -441,8 +535,7 @@ class EngineStats:
         with self.lock:
             self.budget = budget
             self.tokens_total += committed
-            if not timed:  # the first run of this program: mostly its compilation
-                self.compile_seconds += seconds
+            if not timed:  # the first run of this program: it waited for its compilation
                 return
             self.recent.append((now, seconds, committed, live * steps, accepted))
             if self.history is not None:

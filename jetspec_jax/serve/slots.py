@@ -1,6 +1,7 @@
 """Device side of the server: a fixed set of sequence slots sharing one target cache and one head
-context, a jitted admission (prefill one prompt into a free slot's rows) and a jitted chunk of steps
-for every live slot, which returns after `steps` steps or as soon as a slot finishes."""
+context, a jitted admission (prefill a group of prompts into free slots' rows) and a jitted chunk of
+steps for every live slot, which returns after `steps` steps, or as soon as a slot finishes when the
+host has requests waiting for one."""
 
 from __future__ import annotations
 
@@ -56,33 +57,39 @@ def new_slots(cfg: qwen3.Config, drafter, drafter_params, num_slots: int, max_le
                  forwards=zeros())
 
 
-def _set_row(tree, index, row_tree):
-    """tree's leaves (S, ...) get row `index` from row_tree's leaves (1, ...)."""
-    return jax.tree.map(lambda a, r: a.at[index].set(r[0].astype(a.dtype)), tree, row_tree)
+def _set_rows(tree, indices, rows_tree):
+    """tree's leaves (S, ...) get rows `indices` (R,) from rows_tree's leaves (R, ...); an index past the
+    slots (a padding row) writes nothing."""
+    return jax.tree.map(lambda a, r: a.at[indices].set(r.astype(a.dtype), mode="drop"), tree, rows_tree)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids"), donate_argnames=("slots",))
-def admit(params, drafter_params, slots: Slots, index: jax.Array, prompt: jax.Array, prompt_len: jax.Array,
-          key: jax.Array, sampling: RowSampling, limit: jax.Array, *, cfg: qwen3.Config, drafter,
+def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax.Array, prompt_lens: jax.Array,
+          seeds: jax.Array, sampling: RowSampling, limits: jax.Array, *, cfg: qwen3.Config, drafter,
           eos_token_ids: tuple[int, ...]):
-    """Prefills one right-padded prompt (1, P) into slot `index` and picks its first token.
-    Returns (slots, first token, finished) where finished means the request already ended."""
+    """Prefills right-padded prompts (R, P) into slots `indices` (R,) and picks their first tokens; a row
+    whose index is past the slots pads the batch and changes nothing. `seeds` (R,) uint32 start each
+    request's PRNG stream (as jax.random.key(seed)). Returns (slots, first tokens (R,), finished (R,)),
+    finished meaning the request already ended."""
     params = qwen3.fuse_for_decode(params)
+    rows = prompts.shape[0]
     taps_wanted = () if drafter is None else tuple(drafter.tap_layers)
-    logits, taps, cache = prefill(params, prompt, prompt_len, cfg, slots.cache.max_len, tap_layers=taps_wanted)
+    logits, taps, cache = prefill(params, prompts, prompt_lens, cfg, slots.cache.max_len, tap_layers=taps_wanted)
     draft = slots.draft
     if drafter is not None:
-        state = drafter.init_state(drafter_params, 1, slots.cache.max_len, params["embed"].dtype)
+        state = drafter.init_state(drafter_params, rows, slots.cache.max_len, params["embed"].dtype)
         if taps_wanted:
-            state = drafter.observe(drafter_params, state, taps, prompt_len)
-        draft = _set_row(draft, index, state)
-    key, sub = jax.random.split(key)
-    first = select_tokens_rows(logits, sub[None], sampling)[0]
-    finished = is_stop_token(first, eos_token_ids) | (limit <= 1)
-    row = dict(anchor=first, num=jnp.int32(1), limit=limit, live=~finished, keys=key, forwards=jnp.int32(0))
-    slots = slots._replace(cache=_set_row(slots.cache, index, cache), draft=draft,
-                           sampling=_set_row(slots.sampling, index, sampling),
-                           **{name: getattr(slots, name).at[index].set(value) for name, value in row.items()})
+            state = drafter.observe(drafter_params, state, taps, prompt_lens)
+        draft = _set_rows(draft, indices, state)
+    split = jax.vmap(lambda seed: jax.random.split(jax.random.key(seed)))(seeds)
+    keys, sub = split[:, 0], split[:, 1]
+    first = select_tokens_rows(logits, sub, sampling)
+    finished = is_stop_token(first, eos_token_ids) | (limits <= 1)
+    ones, zeros = jnp.ones((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32)
+    new = dict(anchor=first, num=ones, limit=limits, live=~finished, keys=keys, forwards=zeros)
+    slots = slots._replace(cache=_set_rows(slots.cache, indices, cache), draft=draft,
+                           sampling=_set_rows(slots.sampling, indices, sampling),
+                           **_set_rows({name: getattr(slots, name) for name in new}, indices, new))
     return slots, first, finished
 
 
@@ -91,17 +98,19 @@ def release(slots: Slots, index: int) -> Slots:
     return slots._replace(live=slots.live.at[index].set(False))
 
 
-def _run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, drafter, spec: SpecConfig | None,
-               steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int, attention: str = "auto",
-               active: int | None = None) -> tuple[Slots, ChunkOutput]:
+def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *, cfg: qwen3.Config, drafter,
+               spec: SpecConfig | None, steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int,
+               attention: str = "auto", active: int | None = None) -> tuple[Slots, ChunkOutput]:
     """Up to `steps` steps for the slots (speculative with `spec`, else one AR token each, with
-    `attention` as the decode steps' attention); returns early after the step in which any slot
-    finished, so the host can refill it. Only the first `active` slots run (the host keeps the live
-    ones there): a light load pays for a small batch, not for every slot."""
+    `attention` as the decode steps' attention). With `return_early` (a bool the host sets when requests
+    wait for a slot) it returns after the step in which any slot finished, so the host can refill it.
+    Only the first `active` slots run (the host keeps the live ones there): a light load pays for a
+    small batch, not for every slot."""
     if active is not None and active < slots.anchor.shape[0]:
         head = jax.tree.map(lambda a: a[:active], slots)
-        head, out = _run_chunk(params, drafter_params, head, cfg=cfg, drafter=drafter, spec=spec, steps=steps,
-                               eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, attention=attention)
+        head, out = _run_chunk(params, drafter_params, head, return_early, cfg=cfg, drafter=drafter, spec=spec,
+                               steps=steps, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                               attention=attention)
         return jax.tree.map(lambda a, h: a.at[:active].set(h), slots, head), out
     params = qwen3.fuse_for_decode(params)
     depth = 0 if spec is None else spec.depth(drafter.max_depth)
@@ -141,7 +150,7 @@ def _run_chunk(params, drafter_params, slots: Slots, *, cfg: qwen3.Config, draft
 
     def cond(carry):
         i, slots, _, _, finished, _ = carry
-        return (i < steps) & ~jnp.any(finished) & jnp.any(slots.live)
+        return (i < steps) & ~(return_early & jnp.any(finished)) & jnp.any(slots.live)
 
     def body(carry):
         i, slots, out, emitted, finished, accepted = carry
