@@ -5,9 +5,10 @@ tokens/s at each concurrency, for AR, fixed budgets and the adaptive budget, in 
         --out benchmarks/results/serve_load_h200.json
 
 Each variant is a server on 127.0.0.1 (the real app and engine, in this process, over HTTP) with the
-same slots; the clients run in a process of their own (in one process they would share the engine's
-interpreter lock, and their SSE parsing would count as the server's host time); each concurrency
-level keeps that many streamed chat requests in flight (closed loop) over
+same slots (a variant `NAME/sync` is NAME with the engine reading each chunk before it launches the
+next: the baseline of its overlap); the clients run in a process of their own (in one process they
+would share the engine's interpreter lock, and their SSE parsing would count as the server's host
+time); each concurrency level keeps that many streamed chat requests in flight (closed loop) over
 MATH-500 and MT-Bench prompts taken in turn, at T=0, and times --requests-per-level x concurrency of them.
 Before its first level each variant's engine runs the server's full warm-up (`--warmup full`: every prompt
 bucket, batch size and budget compiled; its seconds are in the JSON's `warm_up`) and answers one short
@@ -57,11 +58,15 @@ class LiveServer:
         from jetspec_jax.serve.engine import Engine
         from jetspec_jax.serve.http_server import create_app
 
-        method = "ar" if variant == "ar" else args.method
-        budget = "auto" if variant == "auto" else (int(variant) if variant != "ar" else 16)
+        name, _, mode = variant.partition("/")
+        if mode not in ("", "sync"):
+            raise SystemExit(f"variant {variant!r}: the only suffix is /sync")
+        method = "ar" if name == "ar" else args.method
+        budget = "auto" if name == "auto" else (int(name) if name != "ar" else 16)
         self.engine = Engine(target, None if method == "ar" else head, method=method, slots=args.slots,
                              max_len=args.max_len, budget=budget, width=args.width, chunk_steps=args.chunk_steps,
-                             max_queue=4 * args.slots, cost_table=args.cost_table).start(warm_up=True)
+                             max_queue=4 * args.slots, cost_table=args.cost_table, max_admit=args.max_admit,
+                             overlap=mode != "sync").start(warm_up=True)
         print(f"{variant}: warm-up compiles {self.engine.warm_up.describe()}", flush=True)
         self.engine.warm_up.wait(progress_bar=True)
         self.port = free_port()
@@ -125,10 +130,11 @@ def run_level(url: str, prompts, concurrency: int, requests: int, max_tokens: in
 
 
 def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch, chunks: list[dict],
-              prefill_s: float) -> dict:
+              admissions: tuple[int, int]) -> dict:
     """One level's row. From the engine's side: the chunks it ran in the window, their mean steps and ms a
-    step, and the shares of the wall time spent in chunks and in admissions (the rest: the host between
-    them, or no work)."""
+    step (the admissions launched before a chunk count in its time), the share of the wall time they
+    cover (the rest: the device waiting for the host, or no work), and the requests an admission call
+    prefilled on average."""
     tokens = sum(r["tokens"] for r in results)
     steps = sum(c["steps"] for c in chunks)
     chunk_s = sum(c["seconds"] for c in chunks)
@@ -138,8 +144,9 @@ def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWat
                 tau=metrics.get("tau"), last_budget=metrics.get("budget"),
                 budgets_used=dict(collections.Counter(str(c["budget"]) for c in chunks)),
                 chunks=len(chunks), steps_per_chunk=steps / len(chunks) if chunks else 0.0,
-                ms_per_step=chunk_s * 1e3 / steps if steps else None, chunk_share=chunk_s / wall,
-                prefill_share=prefill_s / wall, compilations=compiles.programs, compile_s=compiles.seconds,
+                ms_per_step=chunk_s * 1e3 / steps if steps else None, device_share=chunk_s / wall,
+                requests_per_admission=admissions[1] / admissions[0] if admissions[0] else None,
+                compilations=compiles.programs, compile_s=compiles.seconds,
                 compiled_programs=compiles.names,
                 warning="COMPILED IN TIMED WINDOW" if compiles.programs or compiles.seconds else None)
 
@@ -157,6 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--chunk-steps", type=int, default=8)
+    p.add_argument("--max-admit", type=int, default=8, help="prompts prefilled in one admission call")
     p.add_argument("--cost-table", default=None, help="for 'auto' (default: the shipped table, else online)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     p.add_argument("--out", default=None)
@@ -181,8 +189,8 @@ def main(argv=None) -> int:
             if args.out:  # after each variant: a run cut short keeps the variants it finished
                 write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
     columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
-               "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "chunk_share",
-               "prefill_share", "compile_s", "warning"]
+               "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "device_share",
+               "requests_per_admission", "compile_s", "warning"]
     print_table(rows, columns)
     print_table([dict(variant=v, **w) for v, w in warm_up.items()],
                 ["variant", "seconds", "programs", "compilations", "compiled_by_runs",
@@ -202,12 +210,12 @@ def measure_variant(server: LiveServer, variant: str, clients, prompts, args, ro
                             compiled_by_runs=warm.compiled_by_runs, first_request_compilations=first.programs)
     stats = server.engine.stats
     for c in args.concurrency:
-        stats.history, prefill_before = [], stats.prefill_seconds
+        stats.history, before = [], (stats.admissions, stats.admitted)
         with CompileWatch() as compiles:
             results, wall = clients.submit(run_level, server.url, prompts, c, c * args.requests_per_level,
                                            args.max_tokens).result()
         rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles, stats.history,
-                              stats.prefill_seconds - prefill_before))
+                              (stats.admissions - before[0], stats.admitted - before[1])))
         print_table(rows[-1:], [k for k in rows[-1] if k not in ("compiled_programs", "budgets_used")])
 
 

@@ -6,9 +6,10 @@ server's adaptive budget reads (`--budget auto`), and the batched step against a
 
 For each batch n an engine of max(--batches) slots serves n requests in a closed loop (a finished
 request is replaced at once by the next prompt of MATH-500 and MT-Bench, taken in turn) with a fixed
-budget, so its chunks run the first n slots (or 8, the smallest chunk); chunks with n live give step_ms (wall time of the chunk / its steps, host work between chunks excluded)
-and tau. Chunks that compiled are not counted, nor the next --warmup-chunks; the --seconds of each setting
-start after its compilation.
+budget, so its chunks run the first n slots (or 8, the smallest chunk); chunks with n live give
+step_ms (wall time of the chunk / its steps: the engine reads each chunk before it launches the next,
+so host work between chunks is excluded) and tau. Chunks that compiled are not counted, nor the next
+--warmup-chunks; the --seconds of each setting start after its compilation.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 def measure(target, head, method: str, batch: int, budget: int | None, prompts, args) -> dict:
     engine = Engine(target, head, method=method, slots=max(args.batches), max_len=args.max_len, budget=budget or 16,
-                    width=args.width, chunk_steps=args.chunk_steps, max_queue=4 * batch)
+                    width=args.width, chunk_steps=args.chunk_steps, max_queue=4 * batch,
+                    overlap=False)  # each chunk read before the next launches: its time is its own
     engine.stats.history = []
     engine.start()
     in_flight, source = [], itertools.cycle(prompts)
