@@ -113,16 +113,16 @@ class Engine:
                  cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
                  attention: str = "auto", min_batch: int = 1, max_depth: int | None = None,
                  tree_temperature: float = 1.0, draft_attention: str = "auto", gemm_backend: str = "auto",
-                 max_admit: int = 8, overlap: bool = True):
+                 max_admit: int = 8, overlap: bool = False):
         """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
         ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
         per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py);
         `max_depth` and `tree_temperature` are SpecConfig's, `draft_attention` HeadDrafter's; `gemm_backend`
         is a speculative.GEMM_BACKENDS name or "auto" (device.chunk_gemm_backend: per chunk size).
         Up to `max_admit` queued prompts are prefilled in one call. With `overlap` the device thread
-        launches the next chunk before it reads the last one's tokens, so the device does not wait on
-        the host between chunks (a chunk's time is then an estimate: see _read); without it, each chunk
-        is read before the next starts."""
+        launches the next chunk before it reads the last one's tokens. It was slower on the H200 (docs/
+        serving.md): XLA's GPU while loop reads its predicate back every iteration, so a chunk's launch
+        returns only once its loop is done, and overlap only hands out each chunk's tokens a chunk late."""
         from jetspec_jax.generate import pad_token, stop_tokens
 
         if method != "ar" and method not in METHODS:
@@ -163,7 +163,7 @@ class Engine:
         self.lock = threading.Condition()
         self.closing, self.drain, self.deadline = False, True, math.inf
         self.compiled: set = set()  # programs run so far (see programs())
-        self.last_ready = 0.0  # perf_counter when the last chunk read was found finished
+        self.last_ready = 0.0  # perf_counter when the last chunk was read
         self.thread: threading.Thread | None = None
         self.warm_up: WarmUp | None = None
         self.stats = EngineStats()
@@ -330,15 +330,20 @@ class Engine:
                 self.warm_up.run(stop=lambda: self.closing)
             while self._wait_for_work(launched is not None):
                 self._drop_cancelled()
+                t0 = time.perf_counter()
                 admissions = self._admit_pending()
+                if not self.overlap:  # first tokens at once, then a chunk read as soon as it is launched
+                    self._read_admissions(admissions)
+                    if admissions:
+                        self.stats.add_admission_seconds(time.perf_counter() - t0)
+                    if any(o is not None for o in self.owner):
+                        self._read(self._launch_chunk())
+                    continue
                 previous = launched
                 launched = self._launch_chunk() if any(o is not None for o in self.owner) else None
                 if previous is not None:
                     self._read(previous)
                 self._read_admissions(admissions)  # queued after `previous`, so ready soon after it
-                if launched is not None and not self.overlap:
-                    self._read(launched)
-                    launched = None
         except Exception as e:  # a device failure ends every request with an error, never a hang
             log.exception("engine failed")
             with self.lock:
@@ -443,20 +448,19 @@ class Engine:
         with self.lock:
             return_early = bool(self.pending)  # requests wait for a slot: refill one as soon as it is free
         program, args, kwargs = self._chunk_call(budget, active, return_early)
-        t0 = time.perf_counter()
-        self.slots, out = program(*args, **kwargs)
         launched = time.perf_counter()
+        self.slots, out = program(*args, **kwargs)  # returns once the loop is done (its predicate is read back)
         key = ("chunk", budget, active)
         compiled = key not in self.compiled
         if compiled:
-            self.stats.add_compile(launched - t0)
+            self.stats.add_compile(time.perf_counter() - launched)
             self.compiled.add(key)
         return LaunchedChunk(out, list(self.owner), budget, live, active, launched, compiled)
 
     def _read(self, chunk: LaunchedChunk) -> None:
-        """Waits for a launched chunk and hands out its tokens. Its seconds run from its launch, or from the
-        last chunk's end if that came later, to its end: the device time of it and of the admissions
-        queued before it, unless the host read the last chunk late."""
+        """Waits for a launched chunk and hands out its tokens. Its seconds run from its launch call (with
+        overlap: from the last chunk's read, if that came later, and the admissions queued before it
+        count in) to its read."""
         tokens, counts, finished, steps, accepted = jax.device_get(
             (chunk.out.tokens, chunk.out.num_tokens, chunk.out.finished, chunk.out.steps, chunk.out.accepted))
         ready = time.perf_counter()
@@ -492,7 +496,7 @@ class LaunchedChunk(NamedTuple):
     budget: int | None
     live: int
     active: int
-    launched: float  # perf_counter after the launch call returned
+    launched: float  # perf_counter before the launch call
     compiled: bool  # its program compiled in the launch call
 
 
@@ -506,6 +510,7 @@ class EngineStats:
         self.requests_total = self.requests_finished = 0
         self.tokens_total = self.prompt_tokens_total = 0
         self.admissions = self.admitted = 0  # admission calls, and the requests they prefilled
+        self.admission_seconds = 0.0  # from launching admissions to reading their first tokens (without overlap)
         self.compile_seconds = 0.0  # launch calls of admissions and chunks that compiled their program
         self.warm_up_seconds = 0.0  # the full warm-up (warmup.py), which compiles every program first
         self.budget: int | None = None
@@ -524,6 +529,10 @@ class EngineStats:
             self.prompt_tokens_total += sum(prompt_tokens)
             self.admissions += 1
             self.admitted += len(prompt_tokens)
+
+    def add_admission_seconds(self, seconds: float) -> None:
+        with self.lock:
+            self.admission_seconds += seconds
 
     def add_compile(self, seconds: float) -> None:
         with self.lock:
