@@ -5,8 +5,8 @@ tokens/s at each concurrency, for AR, fixed budgets and the adaptive budget, in 
         --out benchmarks/results/serve_load_h200.json
 
 Each variant is a server on 127.0.0.1 (the real app and engine, in this process, over HTTP) with the
-same slots (a variant `NAME/sync` is NAME with the engine reading each chunk before it launches the
-next: the baseline of its overlap); the clients run in a process of their own (in one process they
+same slots (a variant `NAME/overlap` is NAME with the engine launching each chunk before it reads
+the last one); the clients run in a process of their own (in one process they
 would share the engine's interpreter lock, and their SSE parsing would count as the server's host
 time); each concurrency level keeps that many streamed chat requests in flight (closed loop) over
 MATH-500 and MT-Bench prompts taken in turn, at T=0, and times --requests-per-level x concurrency of them.
@@ -59,14 +59,14 @@ class LiveServer:
         from jetspec_jax.serve.http_server import create_app
 
         name, _, mode = variant.partition("/")
-        if mode not in ("", "sync"):
-            raise SystemExit(f"variant {variant!r}: the only suffix is /sync")
+        if mode not in ("", "overlap"):
+            raise SystemExit(f"variant {variant!r}: the only suffix is /overlap")
         method = "ar" if name == "ar" else args.method
         budget = "auto" if name == "auto" else (int(name) if name != "ar" else 16)
         self.engine = Engine(target, None if method == "ar" else head, method=method, slots=args.slots,
                              max_len=args.max_len, budget=budget, width=args.width, chunk_steps=args.chunk_steps,
                              max_queue=4 * args.slots, cost_table=args.cost_table, max_admit=args.max_admit,
-                             overlap=mode != "sync").start(warm_up=True)
+                             overlap=mode == "overlap").start(warm_up=True)
         print(f"{variant}: warm-up compiles {self.engine.warm_up.describe()}", flush=True)
         self.engine.warm_up.wait(progress_bar=True)
         self.port = free_port()
@@ -130,11 +130,11 @@ def run_level(url: str, prompts, concurrency: int, requests: int, max_tokens: in
 
 
 def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch, chunks: list[dict],
-              admissions: tuple[int, int]) -> dict:
+              admissions: tuple[int, int, float], overlap: bool) -> dict:
     """One level's row. From the engine's side: the chunks it ran in the window, their mean steps and ms a
-    step (the admissions launched before a chunk count in its time), the share of the wall time they
-    cover (the rest: the device waiting for the host, or no work), and the requests an admission call
-    prefilled on average."""
+    step, the shares of the wall time in chunks and in admissions (the rest: the host between them, or
+    no work; with overlap admissions count in the chunk after them), and the requests an admission
+    call prefilled on average."""
     tokens = sum(r["tokens"] for r in results)
     steps = sum(c["steps"] for c in chunks)
     chunk_s = sum(c["seconds"] for c in chunks)
@@ -144,7 +144,8 @@ def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWat
                 tau=metrics.get("tau"), last_budget=metrics.get("budget"),
                 budgets_used=dict(collections.Counter(str(c["budget"]) for c in chunks)),
                 chunks=len(chunks), steps_per_chunk=steps / len(chunks) if chunks else 0.0,
-                ms_per_step=chunk_s * 1e3 / steps if steps else None, device_share=chunk_s / wall,
+                ms_per_step=chunk_s * 1e3 / steps if steps else None, chunk_share=chunk_s / wall,
+                prefill_share=None if overlap else admissions[2] / wall,
                 requests_per_admission=admissions[1] / admissions[0] if admissions[0] else None,
                 compilations=compiles.programs, compile_s=compiles.seconds,
                 compiled_programs=compiles.names,
@@ -189,8 +190,8 @@ def main(argv=None) -> int:
             if args.out:  # after each variant: a run cut short keeps the variants it finished
                 write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
     columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
-               "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "device_share",
-               "requests_per_admission", "compile_s", "warning"]
+               "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "chunk_share",
+               "prefill_share", "requests_per_admission", "compile_s", "warning"]
     print_table(rows, columns)
     print_table([dict(variant=v, **w) for v, w in warm_up.items()],
                 ["variant", "seconds", "programs", "compilations", "compiled_by_runs",
@@ -210,12 +211,13 @@ def measure_variant(server: LiveServer, variant: str, clients, prompts, args, ro
                             compiled_by_runs=warm.compiled_by_runs, first_request_compilations=first.programs)
     stats = server.engine.stats
     for c in args.concurrency:
-        stats.history, before = [], (stats.admissions, stats.admitted)
+        stats.history, before = [], (stats.admissions, stats.admitted, stats.admission_seconds)
         with CompileWatch() as compiles:
             results, wall = clients.submit(run_level, server.url, prompts, c, c * args.requests_per_level,
                                            args.max_tokens).result()
         rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles, stats.history,
-                              (stats.admissions - before[0], stats.admitted - before[1])))
+                              (stats.admissions - before[0], stats.admitted - before[1],
+                               stats.admission_seconds - before[2]), server.engine.overlap))
         print_table(rows[-1:], [k for k in rows[-1] if k not in ("compiled_programs", "budgets_used")])
 
 

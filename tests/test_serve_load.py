@@ -36,24 +36,28 @@ def test_serve_load_times_no_compilation(tmp_path):
     write_jsonl(data / "mt_bench.jsonl", [dict(question_id=i, turns=[f"Say hi {i} times."]) for i in range(2)])
     out = tmp_path / "serve_load.json"
     command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
-               "--variants", "ar", "8", "8/sync", "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "8",
+               "--variants", "ar", "8", "8/overlap", "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "8",
                "--slots", "2", "--max-len", "192", "--width", "3", "--chunk-steps", "2", "--no-cache", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["complete"] is True  # written after each variant; the last write marks the run whole
     assert [(r["variant"], r["concurrency"]) for r in result["rows"]] == [
-        (v, c) for v in ("ar", "8", "8/sync") for c in (1, 2)]
+        (v, c) for v in ("ar", "8", "8/overlap") for c in (1, 2)]
     assert all(r["throughput_over_ar"] > 0 for r in result["rows"])
     for row in result["rows"]:
         assert row["compilations"] == 0 and row["compile_s"] == 0 and row["warning"] is None, row
         assert row["completion_tokens"] == 8 * row["requests"] and row["throughput"] > 0
         # the engine's side of the window: chunks ran, at the variant's budget, within the wall time
         assert row["chunks"] > 0 and 1 <= row["steps_per_chunk"] <= 2 and row["ms_per_step"] > 0
-        assert 0 < row["device_share"] <= 1 and 1 <= row["requests_per_admission"] <= 2
+        assert 1 <= row["requests_per_admission"] <= 2
+        if row["variant"].endswith("/overlap"):  # its admissions count in the chunk after them
+            assert 0 < row["chunk_share"] <= 1 and row["prefill_share"] is None
+        else:
+            assert 0 < row["chunk_share"] + row["prefill_share"] <= 1
         budget = row["variant"].split("/")[0]
         assert row["budgets_used"] == {"None" if budget == "ar" else budget: row["chunks"]}
     # chunks of 1 and 2 rows, and admissions of 1 and of 2 prompts in buckets of 64, 128 and 192 columns
-    assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 8, "8": 8, "8/sync": 8}
+    assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 8, "8": 8, "8/overlap": 8}
     assert all(w["seconds"] > 0 for w in result["warm_up"].values())
     assert "COMPILED IN TIMED WINDOW" not in done.stdout
