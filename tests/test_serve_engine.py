@@ -5,6 +5,7 @@ the queue bound and shutdown behave, and after the full warm-up no request compi
 from __future__ import annotations
 
 import json
+import queue
 import time
 
 import jax
@@ -247,9 +248,12 @@ def timeout_check(seconds: float):
     return check
 
 
-def test_cancel_frees_the_slot_for_the_next_request(target, heads):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cancel_frees_the_slot_for_the_next_request(target, heads, overlap):
+    """With overlap the cancelled request's slot is refilled while a chunk launched for it is still to
+    be read: that chunk's tokens are dropped, and the next request's output is its own."""
     engine = Engine(target, heads["jetspec"], method="jetspec", slots=1, max_len=256, budget=8, width=3,
-                    chunk_steps=2, stop_token_ids=()).start()
+                    chunk_steps=2, stop_token_ids=(), overlap=overlap).start()
     try:
         long = engine.submit(EngineRequest(PROMPTS[0], 200))
         waiting = engine.submit(EngineRequest(PROMPTS[1], 5))
@@ -257,7 +261,10 @@ def test_cancel_frees_the_slot_for_the_next_request(target, heads):
         long.cancel()
         tokens, finish = collect(long)
         assert finish.reason == "cancelled" and len(tokens) < 200
-        assert collect(waiting)[1].reason == "length"
+        tokens, finish = collect(waiting)
+        with pytest.raises(queue.Empty):  # nothing reached the cancelled request after its end
+            long.get(timeout=0.5)
+        assert finish.reason == "length" and tokens == offline(target, None, "ar", PROMPTS[1:2], [5])[0]
         assert engine.metrics()["live_slots"] == 0
     finally:
         engine.shutdown()
