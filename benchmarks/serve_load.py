@@ -132,9 +132,10 @@ def run_level(url: str, prompts, concurrency: int, requests: int, max_tokens: in
 def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch, chunks: list[dict],
               admissions: tuple[int, int, float], overlap: bool) -> dict:
     """One level's row. From the engine's side: the chunks it ran in the window, their mean steps and ms a
-    step, the shares of the wall time in chunks and in admissions (the rest: the host between them, or
-    no work; with overlap admissions count in the chunk after them), and the requests an admission
-    call prefilled on average."""
+    step, the requests live in them on average (weighted by chunk time: below the concurrency while
+    the level fills and drains), the shares of the wall time in chunks and in admissions (the rest: the
+    host between them, or no work; with overlap admissions count in the chunk after them), and the
+    requests an admission call prefilled on average."""
     tokens = sum(r["tokens"] for r in results)
     steps = sum(c["steps"] for c in chunks)
     chunk_s = sum(c["seconds"] for c in chunks)
@@ -144,7 +145,9 @@ def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWat
                 tau=metrics.get("tau"), last_budget=metrics.get("budget"),
                 budgets_used=dict(collections.Counter(str(c["budget"]) for c in chunks)),
                 chunks=len(chunks), steps_per_chunk=steps / len(chunks) if chunks else 0.0,
-                ms_per_step=chunk_s * 1e3 / steps if steps else None, chunk_share=chunk_s / wall,
+                ms_per_step=chunk_s * 1e3 / steps if steps else None,
+                mean_live=sum(c["live"] * c["seconds"] for c in chunks) / chunk_s if chunk_s else None,
+                chunk_share=chunk_s / wall,
                 prefill_share=None if overlap else admissions[2] / wall,
                 requests_per_admission=admissions[1] / admissions[0] if admissions[0] else None,
                 compilations=compiles.programs, compile_s=compiles.seconds,
@@ -190,8 +193,8 @@ def main(argv=None) -> int:
             if args.out:  # after each variant: a run cut short keeps the variants it finished
                 write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
     columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
-               "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "chunk_share",
-               "prefill_share", "requests_per_admission", "compile_s", "warning"]
+               "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "mean_live",
+               "chunk_share", "prefill_share", "requests_per_admission", "compile_s", "warning"]
     print_table(rows, columns)
     print_table([dict(variant=v, **w) for v, w in warm_up.items()],
                 ["variant", "seconds", "programs", "compilations", "compiled_by_runs",

@@ -50,7 +50,7 @@ def test_serve_load_times_no_compilation(tmp_path):
         assert row["completion_tokens"] == 8 * row["requests"] and row["throughput"] > 0
         # the engine's side of the window: chunks ran, at the variant's budget, within the wall time
         assert row["chunks"] > 0 and 1 <= row["steps_per_chunk"] <= 2 and row["ms_per_step"] > 0
-        assert 1 <= row["requests_per_admission"] <= 2
+        assert 1 <= row["requests_per_admission"] <= 2 and 1 <= row["mean_live"] <= row["concurrency"]
         if row["variant"].endswith("/overlap"):  # its admissions count in the chunk after them
             assert 0 < row["chunk_share"] <= 1 and row["prefill_share"] is None
         else:
