@@ -1,0 +1,49 @@
+"""benchmarks/serve_step_costs.py end to end on the tiny model (a smoke run, not a measurement): it
+writes its results and a cost table that the adaptive budget reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_serve_http import char_tokenizer
+from test_serve_load import write_jsonl
+
+from conftest import make_tiny_checkpoint
+from jetspec_jax.generate import random_head
+from jetspec_jax.loading.head_checkpoint import save_head
+from jetspec_jax.serve.budget import CostTable
+from jetspec_jax.target import load_target
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                      "serve_step_costs.py")
+
+
+@pytest.mark.slow
+def test_serve_step_costs_writes_a_table_the_policy_reads(tmp_path):
+    model, head_dir, data = tmp_path / "model", tmp_path / "head", tmp_path / "data"
+    make_tiny_checkpoint("qwen3", str(model), seed=1)
+    char_tokenizer().save_pretrained(str(model))
+    target = load_target(str(model), dtype="float32")
+    save_head(str(head_dir), *random_head(target, "causal"), target=target)
+    data.mkdir()
+    write_jsonl(data / "math500_test.jsonl",
+                [dict(problem=f"What is {i}+{i}?", answer=str(2 * i), unique_id=str(i)) for i in range(2)])
+    write_jsonl(data / "mt_bench.jsonl", [dict(question_id=i, turns=[f"Say hi {i} times."]) for i in range(2)])
+    out, table = tmp_path / "costs.json", tmp_path / "table.json"
+    command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
+               "--batches", "1", "2", "--budgets", "4", "8", "--width", "3", "--chunk-steps", "2",
+               "--new-tokens", "8", "--max-len", "384", "--seconds", "1", "--warmup-chunks", "0", "--no-cache",
+               "--out", str(out), "--table", str(table)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["batch"], r["budget"]) for r in rows] == [
+        (m, n, b) for n in (1, 2) for m, b in (("ar", None), ("jetspec", 4), ("jetspec", 8))]
+    assert all(r["chunks"] > 0 and r["step_ms"] > 0 and r["tau"] >= 1 for r in rows), rows
+    assert all(r["step_over_ar"] > 0 for r in rows if r["method"] == "jetspec")
+    costs = CostTable.read(str(table))
+    assert all(costs.step_time(n, b) > 0 for n in (1, 2) for b in (4, 8))
