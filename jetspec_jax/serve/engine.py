@@ -394,8 +394,8 @@ class Engine:
         return self.owner[index] is handle and not handle.finished
 
     def _admit_pending(self) -> list[Admission]:
-        """Launches admissions for queued requests while slots are free, up to max_admit a call; their
-        first tokens are read once the chunk before them is."""
+        """Launches admissions for queued requests while slots are free, up to max_admit a call; the loop
+        reads their first tokens (_read_admissions)."""
         admissions = []
         while True:
             with self.lock:
@@ -449,7 +449,7 @@ class Engine:
             return_early = bool(self.pending)  # requests wait for a slot: refill one as soon as it is free
         program, args, kwargs = self._chunk_call(budget, active, return_early)
         launched = time.perf_counter()
-        self.slots, out = program(*args, **kwargs)  # returns once the loop is done (its predicate is read back)
+        self.slots, out = program(*args, **kwargs)  # on the GPU it returns once the loop has run (predicate reads)
         key = ("chunk", budget, active)
         compiled = key not in self.compiled
         if compiled:
