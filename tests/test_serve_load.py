@@ -23,8 +23,9 @@ def write_jsonl(path, records) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-@pytest.mark.slow
-def test_serve_load_times_no_compilation(tmp_path):
+def tiny_model_head_and_data(tmp_path):
+    """A tiny Qwen3 checkpoint with a tokenizer, a random JetSpec head, and a data folder of two MATH-500
+    and two MT-Bench prompts: what the serving benchmarks read, as (model, head, data) folders."""
     model, head_dir, data = tmp_path / "model", tmp_path / "head", tmp_path / "data"
     make_tiny_checkpoint("qwen3", str(model), seed=1)
     char_tokenizer().save_pretrained(str(model))
@@ -34,6 +35,12 @@ def test_serve_load_times_no_compilation(tmp_path):
     write_jsonl(data / "math500_test.jsonl",
                 [dict(problem=f"What is {i}+{i}?", answer=str(2 * i), unique_id=str(i)) for i in range(2)])
     write_jsonl(data / "mt_bench.jsonl", [dict(question_id=i, turns=[f"Say hi {i} times."]) for i in range(2)])
+    return model, head_dir, data
+
+
+@pytest.mark.slow
+def test_serve_load_times_no_compilation(tmp_path):
+    model, head_dir, data = tiny_model_head_and_data(tmp_path)
     out = tmp_path / "serve_load.json"
     command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
                "--variants", "ar", "8", "8/overlap", "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "8",

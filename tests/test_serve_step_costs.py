@@ -9,14 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from test_serve_http import char_tokenizer
-from test_serve_load import write_jsonl
+from test_serve_load import tiny_model_head_and_data
 
-from conftest import make_tiny_checkpoint
-from jetspec_jax.generate import random_head
-from jetspec_jax.loading.head_checkpoint import save_head
 from jetspec_jax.serve.budget import CostTable
-from jetspec_jax.target import load_target
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                       "serve_step_costs.py")
@@ -24,15 +19,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 @pytest.mark.slow
 def test_serve_step_costs_writes_a_table_the_policy_reads(tmp_path):
-    model, head_dir, data = tmp_path / "model", tmp_path / "head", tmp_path / "data"
-    make_tiny_checkpoint("qwen3", str(model), seed=1)
-    char_tokenizer().save_pretrained(str(model))
-    target = load_target(str(model), dtype="float32")
-    save_head(str(head_dir), *random_head(target, "causal"), target=target)
-    data.mkdir()
-    write_jsonl(data / "math500_test.jsonl",
-                [dict(problem=f"What is {i}+{i}?", answer=str(2 * i), unique_id=str(i)) for i in range(2)])
-    write_jsonl(data / "mt_bench.jsonl", [dict(question_id=i, turns=[f"Say hi {i} times."]) for i in range(2)])
+    model, head_dir, data = tiny_model_head_and_data(tmp_path)
     out, table = tmp_path / "costs.json", tmp_path / "table.json"
     command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
                "--batches", "1", "2", "--budgets", "4", "8", "--width", "3", "--chunk-steps", "2",
