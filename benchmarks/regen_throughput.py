@@ -4,11 +4,12 @@ the training mixture against the static-batch generator in the same run.
     python benchmarks/regen_throughput.py --per-source 300 --out benchmarks/results/regen_throughput_h200.json
 
 Step table: one decode step of the slot engine (regen_engine.decode_chunk, median per step over a
-chunk) at each (slots, cache rows), greedy and sampled, with the decode attention path and the
-sampler alone (Gumbel over the vocabulary vs one-uniform inverse CDF). End to end: `regenerate` on
-`--per-source` prompts of every training source (greedy + sampled answers), completion tokens/s per
-prompt bucket; the baseline is `generate_tokens` (one static batch that runs until its longest answer
-ends) on the shortest bucket's prompts at the same batch size.
+chunk) at each (slots, prompt width), with a prompt's rows read once for 3 answers or copied for each
+(--step-shares), greedy and sampled, and the sampler alone (Gumbel over the vocabulary vs
+one-uniform inverse CDF). End to end: `regenerate` on `--per-source` prompts of every training source
+(greedy + sampled answers), completion tokens/s per prompt bucket, with shared prompt rows and with a
+copy per answer; the baseline is `generate_tokens` (one static batch that runs until its longest
+answer ends) on the shortest bucket's prompts at the same batch size.
 """
 
 from __future__ import annotations
@@ -35,39 +36,53 @@ from jetspec_jax.target import load_target  # noqa: E402
 from jetspec_jax.train.config import DataConfig  # noqa: E402
 from jetspec_jax.train.corpus import Corpus  # noqa: E402
 from jetspec_jax.train.mixture import SOURCES  # noqa: E402
-from jetspec_jax.train.regen_engine import decode_chunk, new_slot_state  # noqa: E402
+from jetspec_jax.train.regen_engine import decode_chunk, new_slot_state, prompt_rows_for  # noqa: E402
 from jetspec_jax.train.regenerate import load_regeneration_prompts, regenerate  # noqa: E402
 
 
-def repeated_chunk(target, slots: int, rows: int, chunk: int, temperature: float, attention: str):
-    """(run, lengths): run() decodes one chunk for `slots` live slots of random lengths in [rows/4,
-    rows - 2 chunk) and puts the lengths back, so every call times the same cache reads."""
-    state = new_slot_state(target.cfg, slots, rows, target.params["embed"].dtype)
-    lengths = np.random.default_rng(0).integers(rows // 4, rows - 2 * chunk, slots).astype(np.int32)
-    state = state._replace(cache=state.cache._replace(lengths=jnp.asarray(lengths)), live=jnp.ones((slots,), bool),
-                           limit=jnp.full((slots,), 10**6, jnp.int32),
+def repeated_chunk(target, slots: int, width: int, share: int, chunk: int, temperature: float, attention: str,
+                   answer_rows: int = 512):
+    """(run, mean context): run() decodes one chunk for `slots` live answers, `share` of them reading
+    one prompt slot (prompts of random lengths in (width/2, width], answers of random lengths in
+    [0, answer_rows - 2 chunk)), and puts the lengths back, so every call times the same cache reads."""
+    prompt_slots = slots // share
+    state = new_slot_state(target.cfg, slots, answer_rows, prompt_slots, prompt_rows_for(width, share), share,
+                           target.params["embed"].dtype)
+    rng = np.random.default_rng(0)
+    prompt_lengths = rng.integers(width // 2 + 1, width + 1, prompt_slots).astype(np.int32)
+    answer_lengths = rng.integers(0, answer_rows - 2 * chunk, slots).astype(np.int32)
+    slot = np.arange(slots)
+    state = state._replace(prompts=state.prompts._replace(lengths=jnp.asarray(prompt_lengths)),
+                           answers=state.answers._replace(lengths=jnp.asarray(answer_lengths)),
+                           prompt_of=jnp.asarray(slot // share, jnp.int32), member_of=jnp.asarray(slot % share, jnp.int32),
+                           members=jnp.asarray(slot.reshape(prompt_slots, share), jnp.int32),
+                           live=jnp.ones((slots,), bool), limit=jnp.full((slots,), 10**6, jnp.int32),
                            temperature=jnp.full((slots,), temperature, jnp.float32))
     holder = [state]
 
     def run():
         holder[0], toks = decode_chunk(target.params, holder[0], cfg=target.cfg, steps=chunk, eos_token_ids=(),
                                        pad_token_id=pad_token(target), top_p=1.0, attention=attention)
-        holder[0] = holder[0]._replace(cache=holder[0].cache._replace(lengths=jnp.asarray(lengths)))
+        holder[0] = holder[0]._replace(prompts=holder[0].prompts._replace(lengths=jnp.asarray(prompt_lengths)),
+                                       answers=holder[0].answers._replace(lengths=jnp.asarray(answer_lengths)))
         return toks
 
-    return run, lengths
+    context = float(prompt_lengths[slot // share].mean() + answer_lengths.mean())
+    return run, context
 
 
-def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dict]:
+def step_rows(target, slots_list, widths, shares, chunk: int, attentions) -> list[dict]:
     out = []
-    for slots, rows in zip(slots_list, rows_list):
-        for attention in attentions:
-            for temperature in (0.0, 1.0):
-                run, lengths = repeated_chunk(target, slots, rows, chunk, temperature, attention)
-                seconds = time_call(run, warmup=2, repeats=5)
-                out.append({"part": "decode step", "slots": slots, "cache_rows": rows, "attention": attention,
-                            "temperature": temperature, "mean_length": float(lengths.mean()),
-                            "step_ms": seconds / chunk * 1e3, "tokens_per_second": slots * chunk / seconds})
+    for slots, width in zip(slots_list, widths):
+        for share in shares:
+            for attention in attentions:
+                for temperature in (0.0, 1.0):
+                    run, context = repeated_chunk(target, slots, width, share, chunk, temperature, attention)
+                    seconds = time_call(run, warmup=2, repeats=5)
+                    out.append({"part": "decode step", "slots": slots, "prompt_width": width,
+                                "answers_per_prompt": share, "attention": attention, "temperature": temperature,
+                                "mean_context": context, "step_ms": seconds / chunk * 1e3,
+                                "tokens_per_second": slots * chunk / seconds})
         vocab = target.cfg.vocab_size
         logits = jax.random.normal(jax.random.key(0), (slots, vocab), jnp.float32)
         keys = jax.random.split(jax.random.key(1), slots)
@@ -76,14 +91,14 @@ def step_rows(target, slots_list, rows_list, chunk: int, attentions) -> list[dic
                                                                            jnp.ones((slots,), jnp.float32))))
         cdf = jax.jit(lambda l, k: sample_rows_inverse_cdf(l, k, temps))
         for name, fn in (("gumbel", gumbel), ("inverse_cdf", cdf)):
-            out.append({"part": f"sampler {name}", "slots": slots, "cache_rows": rows,
+            out.append({"part": f"sampler {name}", "slots": slots,
                         "step_ms": time_call(lambda: fn(logits, keys), warmup=2, repeats=10) * 1e3})
     return out
 
 
-def profile_rows(target, slots: int, rows: int, chunk: int, top: int = 15) -> list[dict]:
+def profile_rows(target, slots: int, width: int, share: int, chunk: int, top: int = 15) -> list[dict]:
     """GPU time per decode step by kernel (summed over the chunk's steps), from one profiled chunk."""
-    run, _ = repeated_chunk(target, slots, rows, chunk, 1.0, "auto")
+    run, _ = repeated_chunk(target, slots, width, share, chunk, 1.0, "auto")
     events, wall = gpu_kernel_events(run)
     if events is None:
         return []
@@ -91,8 +106,8 @@ def profile_rows(target, slots: int, rows: int, chunk: int, top: int = 15) -> li
     for name, ns in events:
         by_name[name] += ns / 1e3 / chunk
     busy = sum(by_name.values())
-    out = [{"part": "profile total", "slots": slots, "cache_rows": rows, "gpu_us_per_step": busy,
-            "wall_us_per_step": wall / chunk * 1e6}]
+    out = [{"part": "profile total", "slots": slots, "prompt_width": width, "answers_per_prompt": share,
+            "gpu_us_per_step": busy, "wall_us_per_step": wall / chunk * 1e6}]
     return out + [{"part": "kernel", "kernel": name[:60], "gpu_us_per_step": us, "share": us / busy}
                   for name, us in by_name.most_common(top)]
 
@@ -130,47 +145,58 @@ def main() -> None:
     p.add_argument("--chunk-steps", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
-    p.add_argument("--step-slots", type=int, nargs="*", default=[256, 1024, 2048, 128])
-    p.add_argument("--step-rows", type=int, nargs="*", default=[640, 640, 640, 4608])
-    p.add_argument("--attentions", nargs="+", default=["auto", "xla"])
-    p.add_argument("--profile", type=int, nargs=2, default=None, metavar=("SLOTS", "ROWS"),
+    p.add_argument("--step-slots", type=int, nargs="*", default=[1024, 2048, 4096, 456])
+    p.add_argument("--step-widths", type=int, nargs="*", default=[128, 128, 128, 4096],
+                   help="prompt bucket of each --step-slots entry")
+    p.add_argument("--step-shares", type=int, nargs="+", default=[1, 3],
+                   help="answers reading one prompt slot (1: a copy of the prompt per answer)")
+    p.add_argument("--attentions", nargs="+", default=["auto"])
+    p.add_argument("--profile", type=int, nargs=3, default=None, metavar=("SLOTS", "WIDTH", "SHARE"),
                    help="profile one decode chunk at this size: GPU time per step by kernel")
+    p.add_argument("--share-prompts", choices=["on", "off", "both"], default="both",
+                   help="end to end with a prompt's answers sharing its cache rows, a copy each, or both")
     p.add_argument("--skip-end-to-end", action="store_true")
     p.add_argument("--keep-corpus", default=None, help="write the end-to-end corpus here instead of a temp dir")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     target = load_target(args.model, dtype=args.dtype)
-    rows = step_rows(target, args.step_slots, args.step_rows, 16, args.attentions) if args.step_slots else []
-    print_table(rows, ["part", "slots", "cache_rows", "attention", "temperature", "step_ms", "tokens_per_second"])
+    if len(args.step_slots) != len(args.step_widths):
+        p.error("--step-slots and --step-widths need one entry each per step shape")
+    rows = step_rows(target, args.step_slots, args.step_widths, args.step_shares, 16, args.attentions)
+    print_table(rows, ["part", "slots", "prompt_width", "answers_per_prompt", "attention", "temperature",
+                       "mean_context", "step_ms", "tokens_per_second"])
     profile = profile_rows(target, *args.profile, 16) if args.profile else []
     if profile:
-        print_table(profile, ["part", "slots", "cache_rows", "kernel", "gpu_us_per_step", "wall_us_per_step", "share"])
+        print_table(profile, ["part", "slots", "prompt_width", "kernel", "gpu_us_per_step", "wall_us_per_step", "share"])
     end_to_end = []
     if not args.skip_end_to_end:
-        cfg = DataConfig(answer_temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
-                         max_answer_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                         regen_batch_size=args.batch_size, regen_cache_gib=args.cache_gib,
-                         regen_chunk_steps=args.chunk_steps, regen_shard_answers=1 << 14)
         prompts = load_regeneration_prompts(args.data_dir, {name: args.per_source for name in SOURCES}, seed=0)
-        out_dir = args.keep_corpus or tempfile.mkdtemp(prefix="regen-bench-")
-        try:
-            manifest = regenerate(target, prompts, out_dir, cfg)
-            session = manifest["sessions"][-1]
-            for b in session["buckets"]:
-                end_to_end.append({"part": "slot engine", **b})
-            end_to_end.append({"part": "slot engine, all buckets", "answers": session["answers"],
-                               "completion_tokens": session["completion_tokens"], "seconds": session["seconds"],
-                               "tokens_per_second": session["tokens_per_second"]})
-            corpus = Corpus(out_dir)
-            shortest = [corpus.prompt_ids(i).tolist() for i in range(len(corpus.prompts))
-                        if len(corpus.prompt_ids(i)) <= 128]
-        finally:
-            if not args.keep_corpus:
-                shutil.rmtree(out_dir, ignore_errors=True)
+        shortest = []
+        for share in {"on": [True], "off": [False], "both": [False, True]}[args.share_prompts]:
+            cfg = DataConfig(answer_temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
+                             max_answer_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                             regen_batch_size=args.batch_size, regen_cache_gib=args.cache_gib,
+                             regen_chunk_steps=args.chunk_steps, regen_shard_answers=1 << 14,
+                             regen_share_prompts=share)
+            keep = args.keep_corpus and os.path.join(args.keep_corpus, "shared" if share else "copies")
+            out_dir = keep or tempfile.mkdtemp(prefix="regen-bench-")
+            engine = "slot engine, shared prompts" if share else "slot engine, a prompt copy per answer"
+            try:
+                session = regenerate(target, prompts, out_dir, cfg)["sessions"][-1]
+                end_to_end += [{"part": engine, **b} for b in session["buckets"]]
+                end_to_end.append({"part": f"{engine}, all buckets", "answers": session["answers"],
+                                   "completion_tokens": session["completion_tokens"], "seconds": session["seconds"],
+                                   "tokens_per_second": session["tokens_per_second"]})
+                corpus = Corpus(out_dir)
+                shortest = [corpus.prompt_ids(i).tolist() for i in range(len(corpus.prompts))
+                            if len(corpus.prompt_ids(i)) <= 128]
+            finally:
+                if not keep:
+                    shutil.rmtree(out_dir, ignore_errors=True)
         end_to_end.append(baseline_rows(target, shortest, min(args.batch_size, 1024), args.max_new_tokens))
-        print_table(end_to_end, ["part", "prompt_width", "slots", "answers", "completion_tokens", "decode_steps",
-                                 "seconds", "tokens_per_second"])
+        print_table(end_to_end, ["part", "prompt_width", "slots", "prompt_slots", "answers", "completion_tokens",
+                                 "decode_steps", "seconds", "tokens_per_second"])
     if args.out:
         write_json_atomic(args.out, {"environment": environment(), "args": vars(args), "steps": rows, "profile": profile,
                                      "end_to_end": end_to_end})

@@ -63,6 +63,14 @@ def tree_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: 
                              tree_words: jax.Array) -> jax.Array:
     """Plain jnp: q (B, N, H, D), k/v (B, S, Hkv, D), lengths (B,), tree_words (B, N, W) -> (B, N, H, D).
     Scores and softmax in fp32."""
+    out, _ = tree_attention_reference_with_lse(q, k, v, lengths, tree_words)
+    return out.astype(q.dtype)
+
+
+def tree_attention_reference_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                                      tree_words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`tree_attention_reference` in fp32 with each row's natural-log log-sum-exp of its scores
+    (B, N, H); a row that sees nothing gives zeros and -inf."""
     b, n, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     rel = jnp.arange(s, dtype=jnp.int32)[None, :] - lengths[:, None]  # (B, S)
@@ -76,7 +84,8 @@ def tree_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: 
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgns,bskd->bnkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, n, h, d).astype(q.dtype)
+    lse = jax.nn.logsumexp(scores, axis=-1).transpose(0, 3, 1, 2).reshape(b, n, h)  # (B, Hkv, G, N) -> (B, N, H)
+    return jnp.where((lse == -jnp.inf)[..., None], 0.0, out.reshape(b, n, h, d)), lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +399,50 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
         return merge_partials(out, lse, axis=1).astype(q.dtype)
     merged = merge_partials(out, lse, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
+
+
+def merge_partials_with_lse(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """The partials along `axis` merged in fp32 as `combine_partials` does, with the merged
+    log-sum-exp (what a caller needs to merge this result with attention over other keys)."""
+    top = jnp.max(lse, axis=axis, keepdims=True)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    weights = jnp.exp(lse - top)
+    total = jnp.sum(weights, axis=axis)
+    merged = jnp.sum(out.astype(jnp.float32) * jnp.expand_dims(weights, -1), axis=axis)
+    merged = merged / jnp.where(total == 0, 1.0, total)[..., None]
+    return merged, jnp.where(total == 0, -jnp.inf, jnp.log(total) + jnp.squeeze(top, axis))
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "tuning"))
+def tree_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array, *,
+                            implementation: str | None = None,
+                            tuning: TreeAttentionTuning = TreeAttentionTuning()) -> tuple[jax.Array, jax.Array]:
+    """Tree attention that also returns each row's log-sum-exp: (out (B, N, H, D) fp32, lse (B, N, H)),
+    so attention over keys split between caches (a shared prompt and each answer's own rows) merges
+    exactly (`combine_partials`). A row that sees nothing gives zeros and -inf. "pallas" /
+    "pallas_interpret" take the Triton kernel (its partials merged here, never in the kernel), "xla"
+    the reference, None / "auto" the kernel on GPU."""
+    if implementation in (None, "auto"):
+        implementation = default_implementation()
+    if implementation == "xla":
+        return tree_attention_reference_with_lse(q, k, v, lengths, tree_words)
+    if implementation not in ("pallas", "pallas_interpret"):
+        raise ValueError(f"tree_attention_with_lse takes 'auto', 'xla', 'pallas' or 'pallas_interpret', "
+                         f"not {implementation!r}")
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    group = h // hkv
+    tuning = dataclasses.replace(tuning, merge_in_kernel=False)
+    block_rows = block_rows_for(tuning, group * n)
+    q_in, words = kernel_inputs(q, tree_words, hkv, block_rows)
+    out, lse = tree_attention_splits(q_in, k, v, lengths, words, num_nodes=n, num_heads=h, block_rows=block_rows,
+                                     tuning=tuning, interpret=implementation == "pallas_interpret")
+    if head_blocked(n, block_rows):
+        return merge_partials_with_lse(out, lse, axis=1)
+    out, lse = merge_partials_with_lse(out, lse, axis=2)  # (B, Hkv, rows, D), (B, Hkv, rows)
+    out = out[:, :, :group * n].reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
+    lse = lse[:, :, :group * n].reshape(b, hkv, group, n).transpose(0, 3, 1, 2).reshape(b, n, h)
+    return out, lse
 
 
 def default_implementation() -> str:

@@ -159,6 +159,47 @@ def test_sampled_answers_are_numbered_and_the_same_whatever_the_batch(embedded_t
     assert second == first
 
 
+def test_shared_prompt_rows_give_the_answers_of_a_copy_per_answer(embedded_target, greedy_and_sampled, tmp_path):
+    out, manifest = greedy_and_sampled
+    shared = {(r["source"], r["id"], r["sample"]): r["completion_ids"].tolist() for r in all_records(Corpus(out))}
+    copies = regenerate(embedded_target, PROMPTS, str(tmp_path / "copies"),
+                        dataclasses.replace(SETTINGS, regen_share_prompts=False))
+    assert {(r["source"], r["id"], r["sample"]): r["completion_ids"].tolist()
+            for r in all_records(Corpus(str(tmp_path / "copies")))} == shared
+    for bucket in copies["sessions"][0]["buckets"]:  # a prompt slot per answer slot
+        assert bucket["prompt_slots"] == bucket["slots"]
+    assert manifest["sessions"][0]["share_prompts"] and not copies["sessions"][0]["share_prompts"]
+
+
+@pytest.mark.parametrize("answers_per_prompt", [3, 1])
+def test_slot_engine_through_the_attention_kernel_equals_xla(tiny_qwen3, answers_per_prompt):
+    """The decode steps' two attention calls (prompt rows, own rows) through the Pallas kernel in
+    interpret mode give the tokens the reference gives: a greedy and two sampled answers per prompt,
+    prompts of different lengths, more answers than slots so slots are refilled."""
+    import jax
+
+    from jetspec_jax.train.regen_engine import Job, run_bucket
+
+    target = tiny_qwen3[0]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, target.cfg.vocab_size, n).tolist() for n in (5, 17, 30, 9, 12)]
+    jobs = [Job(i, s, 1000 + i, t, 12 - 2 * s) for i in range(len(prompts)) for s, t in enumerate([0.0, 1.0, 0.7])]
+
+    def run(attention):
+        answers = {}
+        run_bucket(target.params, target.cfg, jobs, prompts, width=32, answer_rows=64, num_slots=6,
+                   prompt_slots=3 if answers_per_prompt > 1 else 6, answers_per_prompt=answers_per_prompt,
+                   admit_prompts=2, chunk_steps=4, run_key=jax.random.key(7), eos_token_ids=(), pad_token_id=0,
+                   top_p=1.0, attention=attention,
+                   on_answer=lambda job, tokens, _: answers.__setitem__((job.prompt_index, job.sample), tokens))
+        return answers
+
+    want = run("xla")
+    assert sorted(want) == sorted((j.prompt_index, j.sample) for j in jobs)
+    assert all(len(want[(j.prompt_index, j.sample)]) == j.limit for j in jobs)
+    assert run("pallas_interpret") == want
+
+
 def test_finished_corpus_is_returned_untouched(embedded_target, greedy_and_sampled):
     out, manifest = greedy_and_sampled
     mtimes = {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from jetspec_jax.kernels.tree_attention import (TreeAttentionTuning, ancestors_from_parents, block_rows_for,
-                                                head_blocked, pack_tree_mask, random_tree_parents, tree_attention,
-                                                tree_attention_reference, unpack_tree_mask)
+                                                combine_partials, head_blocked, pack_tree_mask, random_tree_parents,
+                                                tree_attention, tree_attention_reference, tree_attention_with_lse,
+                                                unpack_tree_mask)
 from jetspec_jax.models import qwen3
 from triton_lowering import lowered_triton_modules
 
@@ -56,6 +57,33 @@ def test_kernel_matches_reference(case, dtype, variant):
                          tuning=TreeAttentionTuning(block_k=16, prefix_splits=3, **variant)).astype(jnp.float32)
     assert not np.isnan(np.asarray(got)).any()
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5]])
+def test_attention_split_between_two_caches_merges_by_lse(case, implementation):
+    """Keys split over a shared cache (seen by every node, no tree: all-zero mask words) and a cache
+    holding the rest plus the tree, each attended with its log-sum-exp and merged, equal attention
+    over all keys at once; a row that sees nothing gives zeros and -inf."""
+    rng = np.random.default_rng(case[1])
+    q, k, v, lengths, words = make_inputs(rng, *case, jnp.float32)
+    want = tree_attention_reference(q, k, v, lengths, words)
+    shared = jnp.asarray(lengths) // 2  # rows [0, shared) in the first cache, the rest (and the tree) in the second
+    rows = k.shape[1]
+    index = jnp.arange(rows)[None, :] + shared[:, None]  # the second cache's rows, shifted down by `shared`
+    take = lambda x, idx: jnp.take_along_axis(x, jnp.clip(idx, 0, rows - 1)[:, :, None, None], axis=1)  # noqa: E731
+    tuning = TreeAttentionTuning(block_k=16, prefix_splits=2)
+    first = tree_attention_with_lse(q, k, v, shared, jnp.zeros_like(words), implementation=implementation,
+                                    tuning=tuning)
+    second = tree_attention_with_lse(q, take(k, index), take(v, index), jnp.asarray(lengths) - shared, words,
+                                     implementation=implementation, tuning=tuning)
+    got = combine_partials([first[0], second[0]], [first[1], second[1]])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    _, ref_lse = tree_attention_with_lse(q, k, v, lengths, words, implementation="xla")
+    np.testing.assert_allclose(np.asarray(jnp.logaddexp(first[1], second[1])), np.asarray(ref_lse), atol=1e-5,
+                               rtol=1e-5)
+    empty_out, empty_lse = first[0][shared == 0], first[1][shared == 0]  # no shared rows, no tree
+    assert np.all(np.asarray(empty_out) == 0) and np.all(np.asarray(empty_lse) == -np.inf)
 
 
 def test_default_splitting_and_single_split_agree():

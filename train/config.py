@@ -44,6 +44,7 @@ class DataConfig:
     regen_batch_size: int = 256  # sequences decoding at once (fewer for long prompts: regen_cache_gib)
     regen_cache_gib: float = 16.0  # the decoding sequences' KV cache, GiB: long prompts get fewer slots
     regen_chunk_steps: int = 16  # decode steps per device call; finished rows are refilled between calls
+    regen_share_prompts: bool = True  # a prompt's answers read one copy of its cache rows (False: one each)
     regen_shard_answers: int = 4096  # answers per shard file
     regen_max_minutes: float = 0.0  # > 0: stop regenerating cleanly after this long (resume later)
     # Training rows: an answer (prompt + completion, whole) is padded to the smallest of these lengths

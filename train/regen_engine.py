@@ -2,6 +2,11 @@
 into free slots a group at a time; jitted chunks of decode steps run every slot; between chunks the
 host collects finished answers and refills their slots, so a short answer never waits for a long one.
 
+The answers of one prompt (a greedy and sampled ones) share one copy of the prompt's keys and values:
+a step attends to its prompt's rows, read once for all of that prompt's answers, and to the answer's
+own rows, and merges the two by their log-sum-exps. A long prompt's answers so read (and prefill) its
+cache once instead of once each, and more of them fit in the same memory.
+
 Every answer draws from its own PRNG stream, keyed by the run's seed, the prompt's identity and the
 answer's number: the same answer whatever batch, slot or order it runs in.
 """
@@ -20,13 +25,18 @@ import numpy as np
 from jax import lax
 
 from jetspec_jax.autoregressive import is_stop_token
-from jetspec_jax.kv_cache import KVCache
+from jetspec_jax.kernels.tree_attention import combine_partials, tree_attention_with_lse
+from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import SamplingConfig, filtered_logits, sample_rows_inverse_cdf
 
 
 class SlotState(NamedTuple):
-    cache: KVCache  # (S, R) rows per slot; a free slot has length 0, so its attention reads nothing
+    prompts: KVCache  # (P, Wp) each live prompt's rows, once; length 0 once none of its answers is live
+    answers: KVCache  # (S, A) each answer's own rows; a free slot has length 0, so its attention reads nothing
+    prompt_of: jax.Array  # (S,) the prompt slot an answer slot reads
+    member_of: jax.Array  # (S,) its column in `members`
+    members: jax.Array  # (P, K) the answer slots reading a prompt slot (unused entries: any slot, never read back)
     last: jax.Array  # (S,) the newest token, not yet in the cache
     num: jax.Array  # (S,) tokens generated so far
     limit: jax.Array  # (S,) the answer's token limit
@@ -41,11 +51,20 @@ def answer_key_ids(prompt_keys: Sequence[str]) -> np.ndarray:
                     np.uint32)
 
 
-def new_slot_state(cfg: qwen3.Config, num_slots: int, rows: int, dtype) -> SlotState:
+def new_slot_state(cfg: qwen3.Config, num_slots: int, answer_rows: int, prompt_slots: int, prompt_rows: int,
+                   answers_per_prompt: int, dtype) -> SlotState:
     zeros = lambda dt=jnp.int32: jnp.zeros((num_slots,), dt)  # noqa: E731
-    return SlotState(cache=qwen3.new_cache(cfg, num_slots, rows, dtype), last=zeros(), num=zeros(), limit=zeros(),
-                     live=zeros(bool), keys=jax.random.split(jax.random.key(0), num_slots),
-                     temperature=zeros(jnp.float32))
+    return SlotState(prompts=qwen3.new_cache(cfg, prompt_slots, prompt_rows, dtype),
+                     answers=qwen3.new_cache(cfg, num_slots, answer_rows, dtype), prompt_of=zeros(),
+                     member_of=zeros(), members=jnp.zeros((prompt_slots, answers_per_prompt), jnp.int32),
+                     last=zeros(), num=zeros(), limit=zeros(), live=zeros(bool),
+                     keys=jax.random.split(jax.random.key(0), num_slots), temperature=zeros(jnp.float32))
+
+
+def prompt_rows_for(width: int, answers_per_prompt: int) -> int:
+    """Cache rows of a prompt slot: the prompt, then room the attention kernel reads past it (one row
+    per answer, as tree nodes that nothing sees), rounded to 64."""
+    return -(-(width + answers_per_prompt) // 64) * 64
 
 
 def choose_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: float) -> jax.Array:
@@ -58,38 +77,80 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "eos_token_ids", "top_p"), donate_argnames=("state",))
-def admit(params, state: SlotState, slot_index: jax.Array, prompts: jax.Array, prompt_lens: jax.Array,
-          run_key: jax.Array, key_ids: jax.Array, samples: jax.Array, temperature: jax.Array, limit: jax.Array,
-          *, cfg: qwen3.Config, eos_token_ids: tuple[int, ...], top_p: float):
-    """Prefills the right-padded prompts (A, W) into slots `slot_index` (A,) (an index past the last
-    slot marks a padding row, dropped) and picks each answer's first token.
-    Returns (state, first tokens (A,), finished (A,))."""
+def admit(params, state: SlotState, prompt_slot: jax.Array, prompts: jax.Array, prompt_lens: jax.Array,
+          answer_slot: jax.Array, run_key: jax.Array, key_ids: jax.Array, samples: jax.Array, temperature: jax.Array,
+          limit: jax.Array, *, cfg: qwen3.Config, eos_token_ids: tuple[int, ...], top_p: float):
+    """Prefills the right-padded prompts (A, W) once each into prompt slots `prompt_slot` (A,) and
+    starts their answers in answer slots `answer_slot` (A, K), picking each answer's first token.
+    An index past the last slot marks a padding row or answer, dropped. samples, temperature, limit:
+    (A, K). Returns (state, first tokens (A, K), finished (A, K))."""
     a, w = prompts.shape
+    k = answer_slot.shape[1]
+    num_slots = state.live.shape[0]
     cache = qwen3.new_cache(cfg, a, w, params["embed"].dtype)
     positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (a, w))
     logits, _, cache = qwen3.forward(params, prompts, positions, cache, cfg, attention_impl="prefill",
                                      logits_indices=(prompt_lens - 1)[:, None])
-    keys = jax.vmap(lambda i, s: jax.random.fold_in(jax.random.fold_in(run_key, i), s))(key_ids, samples)
+    keys = jax.vmap(lambda i, row: jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(run_key, i), s))(row))(
+        key_ids, samples).reshape(-1)
     split = jax.vmap(jax.random.split)(keys)
-    first = choose_tokens(logits[:, 0], split[:, 1], temperature, top_p)
+    first = choose_tokens(jnp.repeat(logits[:, 0], k, axis=0), split[:, 1], temperature.reshape(-1), top_p)
+    slots, limit = answer_slot.reshape(-1), limit.reshape(-1)
     finished = is_stop_token(first, eos_token_ids) | (limit <= 1)
+    alive = ~finished & (slots < num_slots)
+    prompt_alive = jnp.any(alive.reshape(a, k), axis=1)
 
     def put(buffer, rows):
-        return buffer.at[slot_index, :w].set(rows.astype(buffer.dtype), mode="drop")
+        return buffer.at[prompt_slot, :w].set(rows.astype(buffer.dtype), mode="drop")
 
-    slots = state.cache
-    slots = slots._replace(k=tuple(put(b, r) for b, r in zip(slots.k, cache.k)),
-                           v=tuple(put(b, r) for b, r in zip(slots.v, cache.v)),
-                           lengths=slots.lengths.at[slot_index].set(jnp.where(finished, 0, prompt_lens), mode="drop"))
+    shared = state.prompts
+    shared = shared._replace(k=tuple(put(b, r) for b, r in zip(shared.k, cache.k)),
+                             v=tuple(put(b, r) for b, r in zip(shared.v, cache.v)),
+                             lengths=shared.lengths.at[prompt_slot].set(jnp.where(prompt_alive, prompt_lens, 0),
+                                                                        mode="drop"))
+    members = state.members.at[prompt_slot].set(jnp.minimum(answer_slot, num_slots - 1), mode="drop")
 
     def set_rows(field, values):
-        return field.at[slot_index].set(values.astype(field.dtype), mode="drop")
+        return field.at[slots].set(values.astype(field.dtype), mode="drop")
 
-    state = state._replace(cache=slots, last=set_rows(state.last, first), num=set_rows(state.num, jnp.ones_like(limit)),
-                           limit=set_rows(state.limit, limit), live=set_rows(state.live, ~finished),
-                           keys=state.keys.at[slot_index].set(split[:, 0], mode="drop"),
-                           temperature=set_rows(state.temperature, temperature))
-    return state, first, finished
+    state = state._replace(prompts=shared, members=members,
+                           answers=state.answers._replace(lengths=set_rows(state.answers.lengths, jnp.zeros_like(slots))),
+                           prompt_of=set_rows(state.prompt_of, jnp.repeat(prompt_slot, k)),
+                           member_of=set_rows(state.member_of, jnp.tile(jnp.arange(k), a)),
+                           last=set_rows(state.last, first), num=set_rows(state.num, jnp.ones_like(limit)),
+                           limit=set_rows(state.limit, limit), live=set_rows(state.live, alive),
+                           keys=state.keys.at[slots].set(split[:, 0], mode="drop"),
+                           temperature=set_rows(state.temperature, temperature.reshape(-1)))
+    return state, first.reshape(a, k), finished.reshape(a, k)
+
+
+def shared_prompt_forward(params, state: SlotState, cfg: qwen3.Config, attention: str):
+    """One decode step of every answer slot: its `last` token at position prompt length + answer
+    length attends to its prompt's rows (one kernel call per prompt slot, its answers' queries
+    together, so the prompt is read once) and to its own rows, merged by log-sum-exp.
+    Returns (logits (S, V) fp32, the answers' cache with this step's keys and values written)."""
+    answers, prompts = state.answers, state.prompts
+    tokens = state.last[:, None]
+    positions = (prompts.lengths[state.prompt_of] + answers.lengths)[:, None]
+    x = params["embed"][tokens].astype(params["embed"].dtype)
+    cos, sin = qwen3.rope_tables(positions, qwen3.rope_inverse_frequencies(cfg))
+    sees_itself = jnp.ones((tokens.shape[0], 1, 1), jnp.uint32)
+    sees_no_node = jnp.zeros(state.members.shape + (1,), jnp.uint32)
+    new_k, new_v = list(answers.k), list(answers.v)
+    for i, layer in enumerate(params["layers"]):
+        q, k, v = qwen3.attention_inputs(x, layer, cfg, cos, sin)
+        new_k[i] = write_block(new_k[i], k, answers.lengths)
+        new_v[i] = write_block(new_v[i], v, answers.lengths)
+        own, own_lse = tree_attention_with_lse(q, new_k[i], new_v[i], answers.lengths, sees_itself,
+                                               implementation=attention)
+        shared, shared_lse = tree_attention_with_lse(q[:, 0][state.members], prompts.k[i], prompts.v[i],
+                                                     prompts.lengths, sees_no_node, implementation=attention)
+        shared = shared[state.prompt_of, state.member_of][:, None]
+        shared_lse = shared_lse[state.prompt_of, state.member_of][:, None]
+        attn = combine_partials([own, shared], [own_lse, shared_lse]).astype(x.dtype)
+        x = qwen3.finish_layer(x, attn, layer, cfg, i)
+    logits = qwen3.lm_logits(params, qwen3.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cfg)
+    return logits[:, 0], answers._replace(k=tuple(new_k), v=tuple(new_v))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "eos_token_ids", "pad_token_id", "top_p", "attention"),
@@ -97,7 +158,8 @@ def admit(params, state: SlotState, slot_index: jax.Array, prompts: jax.Array, p
 def decode_chunk(params, state: SlotState, *, cfg: qwen3.Config, steps: int, eos_token_ids: tuple[int, ...],
                  pad_token_id: int, top_p: float, attention: str = "auto"):
     """Up to `steps` decode steps for every slot (fewer once none is live). Returns (state, tokens
-    (S, steps), pad where a slot was not live). A slot that finishes gets length 0 and stays free."""
+    (S, steps), pad where a slot was not live). A slot that finishes gets length 0 and stays free; a
+    prompt slot gets length 0 once none of its answers is live."""
     params = qwen3.fuse_for_decode(params)
     n = state.last.shape[0]
 
@@ -108,17 +170,19 @@ def decode_chunk(params, state: SlotState, *, cfg: qwen3.Config, steps: int, eos
     def body(carry):
         i, state, out = carry
         live = state.live
-        logits, _, cache = qwen3.forward(params, state.last[:, None], state.cache.lengths[:, None], state.cache, cfg,
-                                         attention_impl=attention)
-        cache = cache.advance(live)
+        logits, answers = shared_prompt_forward(params, state, cfg, attention)
+        answers = answers.advance(live)
         split = jax.vmap(jax.random.split)(state.keys)
-        token = jnp.where(live, choose_tokens(logits[:, 0], split[:, 1], state.temperature, top_p), pad_token_id)
+        token = jnp.where(live, choose_tokens(logits, split[:, 1], state.temperature, top_p), pad_token_id)
         out = out.at[:, i].set(token)
         num = state.num + live.astype(jnp.int32)
         finished = live & (is_stop_token(token, eos_token_ids) | (num >= state.limit))
-        cache = cache._replace(lengths=jnp.where(finished, 0, cache.lengths))
-        state = state._replace(cache=cache, last=jnp.where(live, token, state.last), num=num, live=live & ~finished,
-                               keys=jnp.where(live, split[:, 0], state.keys))
+        live = live & ~finished
+        prompt_live = jnp.zeros(state.members.shape[0], jnp.int32).at[state.prompt_of].max(live.astype(jnp.int32)) > 0
+        state = state._replace(answers=answers._replace(lengths=jnp.where(finished, 0, answers.lengths)),
+                               prompts=state.prompts._replace(lengths=jnp.where(prompt_live, state.prompts.lengths, 0)),
+                               last=jnp.where(state.live, token, state.last), num=num, live=live,
+                               keys=jnp.where(state.live, split[:, 0], state.keys))
         return i + 1, state, out
 
     out = jnp.full((n, steps), pad_token_id, jnp.int32)
@@ -145,25 +209,43 @@ class BucketStats:
     seconds: float = 0.0
 
 
+def group_by_prompt(jobs: Sequence[Job], answers_per_prompt: int) -> list[list[Job]]:
+    """Consecutive jobs of one prompt, up to `answers_per_prompt` a group (1: every answer alone)."""
+    groups: list[list[Job]] = []
+    for job in jobs:
+        if groups and groups[-1][0].prompt_index == job.prompt_index and len(groups[-1]) < answers_per_prompt:
+            groups[-1].append(job)
+        else:
+            groups.append([job])
+    return groups
+
+
 def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Sequence[Sequence[int]], *,
-               width: int, rows: int, num_slots: int, admit_rows: int, chunk_steps: int, run_key: jax.Array,
-               eos_token_ids: tuple[int, ...], pad_token_id: int, top_p: float, attention: str,
-               on_answer: Callable[[Job, list[int], bool], None], deadline: float = float("inf")) -> BucketStats:
-    """Generates every job (prompts no longer than `width`) through `num_slots` slots of `rows` cache
-    rows; calls on_answer(job, tokens, finished_by_eos) as each answer ends. Stops early at `deadline`
-    (time.perf_counter()), dropping the answers still decoding."""
+               width: int, answer_rows: int, num_slots: int, prompt_slots: int, answers_per_prompt: int,
+               admit_prompts: int, chunk_steps: int, run_key: jax.Array, eos_token_ids: tuple[int, ...],
+               pad_token_id: int, top_p: float, attention: str, on_answer: Callable[[Job, list[int], bool], None],
+               deadline: float = float("inf")) -> BucketStats:
+    """Generates every job (prompts no longer than `width`) through `num_slots` answer slots of
+    `answer_rows` rows and `prompt_slots` prompt slots, the jobs of one prompt (consecutive in `jobs`,
+    up to `answers_per_prompt`) sharing one; calls on_answer(job, tokens, finished_by_eos) as each
+    answer ends. Stops early at `deadline` (time.perf_counter()), dropping the answers still decoding."""
     stats = BucketStats()
     start = time.perf_counter()
-    state = new_slot_state(cfg, num_slots, rows, params["embed"].dtype)
-    queue = list(reversed(jobs))  # pop() takes them in order
+    k = answers_per_prompt
+    state = new_slot_state(cfg, num_slots, answer_rows, prompt_slots, prompt_rows_for(width, k), k,
+                           params["embed"].dtype)
+    queue = list(reversed(group_by_prompt(jobs, k)))  # the next group is the last
     owner: list[Job | None] = [None] * num_slots
-    answer = np.zeros((num_slots, rows), np.int32)  # host copy of each slot's tokens so far
+    prompt_of = np.zeros((num_slots,), np.int64)
+    readers = np.zeros((prompt_slots,), np.int64)  # live answers of each prompt slot; 0 = free
+    answer = np.zeros((num_slots, answer_rows), np.int32)  # host copy of each slot's tokens so far
     count = np.zeros((num_slots,), np.int64)
     eos = set(eos_token_ids)
 
     def finish(slot: int) -> None:
         job, tokens = owner[slot], answer[slot, :count[slot]].tolist()
         owner[slot] = None
+        readers[prompt_of[slot]] -= 1
         stats.answers += 1
         stats.completion_tokens += len(tokens)
         on_answer(job, tokens, bool(tokens) and tokens[-1] in eos)
@@ -171,38 +253,51 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
     while queue or any(o is not None for o in owner):
         if time.perf_counter() > deadline:
             break
-        free = [s for s, o in enumerate(owner) if o is None]
-        live = num_slots - len(free)
-        # Admit in full groups; a partial group only when nothing else would run.
-        while queue and (len(free) >= admit_rows or (live == 0 and free)):
-            group, free = free[:admit_rows], free[admit_rows:]
-            batch = [queue.pop() for _ in range(min(len(group), len(queue)))]
-            group = group[:len(batch)]
-            padded_slots = np.full((admit_rows,), num_slots, np.int32)  # past the end: dropped
-            padded_slots[:len(group)] = group
-            tokens = np.full((admit_rows, width), pad_token_id, np.int32)
-            lens = np.ones((admit_rows,), np.int32)
-            fields = np.zeros((4, admit_rows), np.float64)  # key id, sample, temperature, limit
-            for r, job in enumerate(batch):
-                ids = prompt_ids[job.prompt_index]
+        while queue:
+            # Admit in full groups; a partial group only when nothing else would run.
+            free = [s for s, o in enumerate(owner) if o is None]
+            free_prompts = np.flatnonzero(readers == 0).tolist()
+            live = num_slots - len(free)
+            batch, needed = [], 0
+            for group in reversed(queue):
+                if len(batch) == min(admit_prompts, len(free_prompts)) or needed + len(group) > len(free):
+                    break
+                batch.append(group)
+                needed += len(group)
+            if not batch or (len(batch) < min(admit_prompts, len(queue)) and live > 0):
+                break
+            del queue[len(queue) - len(batch):]
+            padded_prompts = np.full((admit_prompts,), prompt_slots, np.int32)  # past the end: dropped
+            padded_prompts[:len(batch)] = free_prompts[:len(batch)]
+            slots = np.full((admit_prompts, k), num_slots, np.int32)
+            tokens = np.full((admit_prompts, width), pad_token_id, np.int32)
+            lens = np.ones((admit_prompts,), np.int32)
+            key_ids = np.zeros((admit_prompts,), np.uint32)
+            fields = np.zeros((3, admit_prompts, k), np.float64)  # sample, temperature, limit
+            fields[2] = 1
+            taken = iter(free)
+            for r, group in enumerate(batch):
+                ids = prompt_ids[group[0].prompt_index]
                 tokens[r, :len(ids)] = ids
-                lens[r] = len(ids)
-                fields[:, r] = (job.key_id, job.sample, job.temperature, job.limit)
-            fields[3, len(batch):] = 1
-            state, first, done = admit(params, state, jnp.asarray(padded_slots), jnp.asarray(tokens), jnp.asarray(lens),
-                                       run_key, jnp.asarray(fields[0].astype(np.uint32)),
-                                       jnp.asarray(fields[1].astype(np.int32)), jnp.asarray(fields[2], jnp.float32),
-                                       jnp.asarray(fields[3].astype(np.int32)), cfg=cfg, eos_token_ids=eos_token_ids,
+                lens[r], key_ids[r] = len(ids), group[0].key_id
+                for c, job in enumerate(group):
+                    slots[r, c] = next(taken)
+                    fields[:, r, c] = (job.sample, job.temperature, job.limit)
+            state, first, done = admit(params, state, jnp.asarray(padded_prompts), jnp.asarray(tokens),
+                                       jnp.asarray(lens), jnp.asarray(slots), run_key, jnp.asarray(key_ids),
+                                       jnp.asarray(fields[0].astype(np.int32)), jnp.asarray(fields[1], jnp.float32),
+                                       jnp.asarray(fields[2].astype(np.int32)), cfg=cfg, eos_token_ids=eos_token_ids,
                                        top_p=top_p)
             first, done = np.asarray(first), np.asarray(done)
             stats.admissions += 1
-            for r, (slot, job) in enumerate(zip(group, batch)):
-                owner[slot], answer[slot, 0], count[slot] = job, first[r], 1
-                if done[r]:
-                    finish(slot)
-                    free.append(slot)
-            live = sum(o is not None for o in owner)
-        if live == 0:
+            for r, group in enumerate(batch):
+                for c, job in enumerate(group):
+                    slot = int(slots[r, c])
+                    owner[slot], prompt_of[slot], answer[slot, 0], count[slot] = job, padded_prompts[r], first[r, c], 1
+                    readers[padded_prompts[r]] += 1
+                    if done[r, c]:
+                        finish(slot)
+        if all(o is None for o in owner):
             continue
         was_live = np.array([o is not None for o in owner])
         state, out = decode_chunk(params, state, cfg=cfg, steps=chunk_steps, eos_token_ids=eos_token_ids,

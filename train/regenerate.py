@@ -23,10 +23,13 @@ from jetspec_jax.target import Target
 from .config import DEFAULT_DATA_DIR, DataConfig
 from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, read_prompt_ids, sha256_hex
 from .mixture import HELDOUT_FRACTION, load_prompts
-from .regen_engine import Job, answer_key_ids, run_bucket
+from .regen_engine import Job, answer_key_ids, prompt_rows_for, run_bucket
 
 MIN_BUCKET = 128  # prompt widths are powers of two from here: a handful of compiled shapes
 ADMIT_TOKENS = 1 << 16  # prompt tokens per admission call, bounding its activations
+# Prompt slots per answer slot, times the answers per prompt: a prompt's slot stays taken until its
+# longest answer ends, so spare prompt slots let the answer slots its shorter answers free start others.
+PROMPT_SLOT_SPARE = 1.5
 
 
 def load_regeneration_prompts(data_dir: str | None, sources: dict[str, int], seed: int) -> list[dict]:
@@ -67,11 +70,24 @@ def check_settings(cfg: DataConfig, target: Target) -> None:
     if cfg.max_prompt_tokens + cfg.max_new_tokens > positions:
         raise InputError(f"data.max_prompt_tokens ({cfg.max_prompt_tokens}) + data.max_new_tokens "
                          f"({cfg.max_new_tokens}) exceeds the target's {positions} positions; lower either")
-    rows = -(-(prompt_buckets(cfg.max_prompt_tokens)[-1] + cfg.max_new_tokens) // 64) * 64
+    widths = prompt_buckets(cfg.max_prompt_tokens)
+    longest = widths[-1]
+    shortest_prompt = widths[-2] + 1 if len(widths) > 1 else 1
+    answer_tokens = min(max(cfg.max_answer_tokens, cfg.max_new_tokens), bucket_rows(longest, cfg) - shortest_prompt)
+    share = answers_sharing_a_prompt(cfg)
+    rows = share * round_up_64(answer_tokens) + prompt_rows_for(longest, share)
     if cache_rows(cfg, target) < rows:
         need = rows * kv_bytes_per_row(target) / 2**30
-        raise InputError(f"data.regen_cache_gib ({cfg.regen_cache_gib}) cannot hold one sequence of the longest "
+        raise InputError(f"data.regen_cache_gib ({cfg.regen_cache_gib}) cannot hold the answers of one of the longest "
                          f"prompts ({rows} rows, {need:.3g} GiB); raise it or lower data.max_prompt_tokens")
+
+
+def answers_sharing_a_prompt(cfg: DataConfig) -> int:
+    return len(cfg.answer_temperatures) if cfg.regen_share_prompts else 1
+
+
+def round_up_64(n: int) -> int:
+    return -(-n // 64) * 64
 
 
 def kv_bytes_per_row(target: Target) -> int:
@@ -137,6 +153,7 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
     start, seconds_before = time.perf_counter(), writer.manifest["seconds"]
     session = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "answers": 0,
                "completion_tokens": 0, "environment": environment(), "batch_size": cfg.regen_batch_size,
+               "share_prompts": cfg.regen_share_prompts,
                "cache_gib": cfg.regen_cache_gib,
                "cache_rows": cache_rows(cfg, target), "chunk_steps": cfg.regen_chunk_steps, "buckets": []}
     progress = tqdm(total=total, unit="answer", desc="regenerate", dynamic_ncols=True)
@@ -152,21 +169,18 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
         elapsed = time.perf_counter() - start
         progress.set_postfix(tok_s=f"{session['completion_tokens'] / max(elapsed, 1e-9):.0f}")
 
+    share = answers_sharing_a_prompt(cfg)
     for width, jobs in by_width.items():
         if not jobs or time.perf_counter() > deadline:
             continue
-        rows = bucket_rows(width, cfg)
-        slots = max(1, min(cfg.regen_batch_size, session["cache_rows"] // rows))
-        # small groups keep few slots waiting for admission; each group is one prefill call
-        admit_rows = max(1, min(slots, max(slots // 32, 8), ADMIT_TOKENS // width))
-        stats = run_bucket(target.params, target.cfg, jobs, prompt_ids, width=width, rows=rows, num_slots=slots,
-                           admit_rows=admit_rows, chunk_steps=cfg.regen_chunk_steps, run_key=run_key,
-                           eos_token_ids=eos, pad_token_id=pad, top_p=cfg.top_p, attention=attention,
-                           on_answer=on_answer, deadline=deadline)
-        session["buckets"].append({"prompt_width": width, "cache_rows": rows, "slots": slots,
-                                   "admit_rows": admit_rows, "answers": stats.answers,
-                                   "completion_tokens": stats.completion_tokens, "decode_steps": stats.decode_steps,
-                                   "seconds": round(stats.seconds, 2),
+        layout = slot_layout(width, max(job.limit for job in jobs), share, cfg, session["cache_rows"])
+        stats = run_bucket(target.params, target.cfg, jobs, prompt_ids, width=width, answers_per_prompt=share,
+                           chunk_steps=cfg.regen_chunk_steps, run_key=run_key, eos_token_ids=eos, pad_token_id=pad,
+                           top_p=cfg.top_p, attention=attention, on_answer=on_answer, deadline=deadline, **layout)
+        session["buckets"].append({"prompt_width": width, "slots": layout["num_slots"],
+                                   "prompt_slots": layout["prompt_slots"], "answer_rows": layout["answer_rows"],
+                                   "admit_prompts": layout["admit_prompts"], "answers": stats.answers, "completion_tokens": stats.completion_tokens,
+                                   "decode_steps": stats.decode_steps, "seconds": round(stats.seconds, 2),
                                    "tokens_per_second": round(stats.completion_tokens / max(stats.seconds, 1e-9))})
     progress.close()
     writer.write_shard(pending, sources, seconds_before + time.perf_counter() - start)
@@ -183,6 +197,23 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
                           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
+def slot_layout(width: int, answer_tokens: int, share: int, cfg: DataConfig, total_rows: int) -> dict[str, int]:
+    """Slots of a bucket within `total_rows` cache rows: each answer slot holds up to `answer_tokens`
+    (the bucket's largest limit), and a prompt slot, shared by `share` answers, the prompt; answers
+    up to data.regen_batch_size, and at least one prompt's."""
+    answer_rows = round_up_64(answer_tokens)
+    prompt_rows = prompt_rows_for(width, share)
+    spare = PROMPT_SLOT_SPARE if share > 1 else 1.0
+    fit = int(total_rows // (answer_rows + prompt_rows * spare / share))
+    num_slots = max(share, min(cfg.regen_batch_size, fit))  # check_settings made sure `share` fit
+    prompt_slots = max(1, math.ceil(num_slots * spare / share))
+    # small groups keep few slots waiting for admission; each group is one prefill call
+    admit_prompts = max(1, min(prompt_slots, max(num_slots // (32 * share), 8), ADMIT_TOKENS // width))
+    return {"num_slots": num_slots, "prompt_slots": prompt_slots, "answer_rows": answer_rows,
+            "admit_prompts": admit_prompts}
+
+
 def bucket_rows(width: int, cfg: DataConfig) -> int:
-    """Cache rows of a slot for prompts up to `width` tokens: the prompt and max_new_tokens, rounded to 64."""
-    return -(-(width + cfg.max_new_tokens) // 64) * 64
+    """Cache rows of a prompt up to `width` tokens and its answer: the prompt and max_new_tokens, rounded
+    to 64. An answer's limit is what these rows leave (up to data.max_answer_tokens)."""
+    return round_up_64(width + cfg.max_new_tokens)
