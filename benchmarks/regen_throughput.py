@@ -45,7 +45,7 @@ def repeated_chunk(target, slots: int, width: int, share: int, chunk: int, tempe
     """(run, mean context): run() decodes one chunk for `slots` live answers, `share` of them reading
     one prompt slot (prompts of random lengths in (width/2, width], answers of random lengths in
     [0, answer_rows - 2 chunk)), and puts the lengths back, so every call times the same cache reads."""
-    prompt_slots = slots // share
+    prompt_slots = -(-slots // share)
     state = new_slot_state(target.cfg, slots, answer_rows, prompt_slots, prompt_rows_for(width, share), share,
                            target.params["embed"].dtype)
     rng = np.random.default_rng(0)
@@ -55,7 +55,8 @@ def repeated_chunk(target, slots: int, width: int, share: int, chunk: int, tempe
     state = state._replace(prompts=state.prompts._replace(lengths=jnp.asarray(prompt_lengths)),
                            answers=state.answers._replace(lengths=jnp.asarray(answer_lengths)),
                            prompt_of=jnp.asarray(slot // share, jnp.int32), member_of=jnp.asarray(slot % share, jnp.int32),
-                           members=jnp.asarray(slot.reshape(prompt_slots, share), jnp.int32),
+                           members=jnp.asarray(np.minimum(np.arange(prompt_slots * share), slots - 1).reshape(
+                               prompt_slots, share), jnp.int32),
                            live=jnp.ones((slots,), bool), limit=jnp.full((slots,), 10**6, jnp.int32),
                            temperature=jnp.full((slots,), temperature, jnp.float32))
     holder = [state]
