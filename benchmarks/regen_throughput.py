@@ -1,7 +1,7 @@
 """Regeneration throughput: where a large-batch decode step goes, and the slot engine end to end on
 the training mixture against the static-batch generator in the same run.
 
-    python benchmarks/regen_throughput.py --per-source 300 --out benchmarks/results/regen_throughput_h200.json
+    python benchmarks/regen_throughput.py --per-source 400 --out benchmarks/results/regen_throughput_shared_h200.json
 
 Step table: one decode step of the slot engine (regen_engine.decode_chunk, median per step over a
 chunk) at each (slots, prompt width), with a prompt's rows read once for 3 answers or copied for each
