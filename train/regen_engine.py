@@ -207,6 +207,8 @@ class BucketStats:
     chunks: int = 0
     admissions: int = 0
     seconds: float = 0.0
+    admission_seconds: float = 0.0  # prefill calls, from launch to their first tokens on the host
+    chunk_seconds: float = 0.0  # decode chunks, from launch to their tokens on the host; the rest is the host's
 
 
 def group_by_prompt(jobs: Sequence[Job], answers_per_prompt: int) -> list[list[Job]]:
@@ -283,6 +285,7 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
                 for c, job in enumerate(group):
                     slots[r, c] = next(taken)
                     fields[:, r, c] = (job.sample, job.temperature, job.limit)
+            launched = time.perf_counter()
             state, first, done = admit(params, state, jnp.asarray(padded_prompts), jnp.asarray(tokens),
                                        jnp.asarray(lens), jnp.asarray(slots), run_key, jnp.asarray(key_ids),
                                        jnp.asarray(fields[0].astype(np.int32)), jnp.asarray(fields[1], jnp.float32),
@@ -290,6 +293,7 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
                                        top_p=top_p)
             first, done = np.asarray(first), np.asarray(done)
             stats.admissions += 1
+            stats.admission_seconds += time.perf_counter() - launched
             for r, group in enumerate(batch):
                 for c, job in enumerate(group):
                     slot = int(slots[r, c])
@@ -300,10 +304,12 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
         if all(o is None for o in owner):
             continue
         was_live = np.array([o is not None for o in owner])
+        launched = time.perf_counter()
         state, out = decode_chunk(params, state, cfg=cfg, steps=chunk_steps, eos_token_ids=eos_token_ids,
                                   pad_token_id=pad_token_id, top_p=top_p, attention=attention)
         out, num, now_live = np.asarray(out), np.asarray(state.num), np.asarray(state.live)
         stats.chunks += 1
+        stats.chunk_seconds += time.perf_counter() - launched
         new = np.where(was_live, num - count, 0)
         stats.decode_steps += int(new.max(initial=0))
         slot, step = np.nonzero(np.arange(chunk_steps)[None, :] < new[:, None])  # vectorised: 1000s of slots
