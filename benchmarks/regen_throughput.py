@@ -197,7 +197,8 @@ def main() -> None:
                     shutil.rmtree(out_dir, ignore_errors=True)
         end_to_end.append(baseline_rows(target, shortest, min(args.batch_size, 1024), args.max_new_tokens))
         print_table(end_to_end, ["part", "prompt_width", "slots", "prompt_slots", "answers", "completion_tokens",
-                                 "decode_steps", "seconds", "tokens_per_second"])
+                                 "decode_steps", "admissions", "admission_seconds", "chunk_seconds", "seconds",
+                                 "tokens_per_second"])
     if args.out:
         write_json_atomic(args.out, {"environment": environment(), "args": vars(args), "steps": rows, "profile": profile,
                                      "end_to_end": end_to_end})
