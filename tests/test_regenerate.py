@@ -132,8 +132,11 @@ def test_greedy_answers_match_generate_and_long_prompts_get_their_bucket(embedde
     assert [s["file"] for s in manifest["shards"]] == ["answers-00000.npz", "answers-00001.npz", "answers-00002.npz"]
     assert sorted(os.listdir(out)) == sorted([MANIFEST_FILE, PROMPTS_FILE, PROMPT_META_FILE]
                                              + [s["file"] for s in manifest["shards"]])  # no temporaries left
-    widths = [b["prompt_width"] for b in manifest["sessions"][0]["buckets"]]
-    assert widths == [128, 256]  # the long prompt decodes in its own bucket
+    buckets = manifest["sessions"][0]["buckets"]
+    assert [b["prompt_width"] for b in buckets] == [128, 256]  # the long prompt decodes in its own bucket
+    for b in buckets:  # a prompt's two answers share one prompt slot; the bucket's time split is recorded
+        assert b["prompt_slots"] == 3 and b["slots"] == 3 and b["admissions"] >= 1 and b["chunks"] >= 1
+        assert 0 < b["admission_seconds"] + b["chunk_seconds"] <= b["seconds"]
     corpus = Corpus(out)
     records = all_records(corpus)
     assert manifest["num_completion_tokens"] == sum(len(r["completion_ids"]) for r in records)
