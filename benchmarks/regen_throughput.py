@@ -54,7 +54,8 @@ def repeated_chunk(target, slots: int, width: int, share: int, chunk: int, tempe
     slot = np.arange(slots)
     state = state._replace(prompts=state.prompts._replace(lengths=jnp.asarray(prompt_lengths)),
                            answers=state.answers._replace(lengths=jnp.asarray(answer_lengths)),
-                           prompt_of=jnp.asarray(slot // share, jnp.int32), member_of=jnp.asarray(slot % share, jnp.int32),
+                           prompt_of=jnp.asarray(slot // share, jnp.int32),
+                           member_of=jnp.asarray(slot % share, jnp.int32),
                            members=jnp.asarray(np.minimum(np.arange(prompt_slots * share), slots - 1).reshape(
                                prompt_slots, share), jnp.int32),
                            live=jnp.ones((slots,), bool), limit=jnp.full((slots,), 10**6, jnp.int32),
@@ -169,7 +170,8 @@ def main() -> None:
                        "mean_context", "step_ms", "tokens_per_second"])
     profile = profile_rows(target, *args.profile, 16) if args.profile else []
     if profile:
-        print_table(profile, ["part", "slots", "prompt_width", "kernel", "gpu_us_per_step", "wall_us_per_step", "share"])
+        print_table(profile, ["part", "slots", "prompt_width", "kernel", "gpu_us_per_step", "wall_us_per_step",
+                              "share"])
     end_to_end = []
     if not args.skip_end_to_end:
         prompts = load_regeneration_prompts(args.data_dir, {name: args.per_source for name in SOURCES}, seed=0)

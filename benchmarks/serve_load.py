@@ -16,6 +16,9 @@ untimed request (the HTTP path's first use). Each row records the compilations j
 window (`compilations`, `compile_s`): both must be 0, else the row's numbers include compile time and
 its `warning` says so. The compilation cache (--cache-dir, on by default) keeps the programs for the next
 run, and a variant reuses the programs an earlier one compiled (auto's chunks are the fixed budgets').
+Each row also keeps, for analysis, its chunks (`chunk_log`: budget, live requests, rows, steps, ms,
+accepted draft tokens) and, for `auto`, the expected tokens a millisecond the policy holds for each
+budget at that concurrency after the level (`policy_rates`).
 """
 
 from __future__ import annotations
@@ -221,7 +224,23 @@ def measure_variant(server: LiveServer, variant: str, clients, prompts, args, ro
         rows.append(summarise(variant, c, results, wall, server.engine.metrics(), compiles, stats.history,
                               (stats.admissions - before[0], stats.admitted - before[1],
                                stats.admission_seconds - before[2]), server.engine.overlap))
-        print_table(rows[-1:], [k for k in rows[-1] if k not in ("compiled_programs", "budgets_used")])
+        rows[-1].update(chunk_log=[[h["budget"], h["live"], h["active"], h["steps"], round(h["seconds"] * 1e3, 3),
+                                    h["accepted"]] for h in stats.history],
+                        policy_rates=policy_rates(server.engine, c))
+        print_table(rows[-1:], [k for k in rows[-1] if k not in DETAIL_COLUMNS])
+
+
+DETAIL_COLUMNS = ("compiled_programs", "budgets_used", "chunk_log", "policy_rates")
+
+
+def policy_rates(engine, live: int) -> dict[str, float] | None:
+    """The adaptive budget's expected tokens a millisecond for each budget at `live` requests, as it
+    stands after a level: what its next choice at that load compares."""
+    policy = engine.policy
+    if policy is None or not policy.adaptive:
+        return None
+    batch = engine.chunk_rows(live)
+    return {str(b): policy.expected_rate(live, b, batch) for b in policy.budgets}
 
 
 def add_ratios_to_ar(rows: list[dict]) -> None:

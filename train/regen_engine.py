@@ -113,8 +113,8 @@ def admit(params, state: SlotState, prompt_slot: jax.Array, prompts: jax.Array, 
     def set_rows(field, values):
         return field.at[slots].set(values.astype(field.dtype), mode="drop")
 
-    state = state._replace(prompts=shared, members=members,
-                           answers=state.answers._replace(lengths=set_rows(state.answers.lengths, jnp.zeros_like(slots))),
+    answers = state.answers._replace(lengths=set_rows(state.answers.lengths, jnp.zeros_like(slots)))
+    state = state._replace(prompts=shared, members=members, answers=answers,
                            prompt_of=set_rows(state.prompt_of, jnp.repeat(prompt_slot, k)),
                            member_of=set_rows(state.member_of, jnp.tile(jnp.arange(k), a)),
                            last=set_rows(state.last, first), num=set_rows(state.num, jnp.ones_like(limit)),

@@ -75,7 +75,7 @@ def check_settings(cfg: DataConfig, target: Target) -> None:
     shortest_prompt = widths[-2] + 1 if len(widths) > 1 else 1
     answer_tokens = min(max(cfg.max_answer_tokens, cfg.max_new_tokens), bucket_rows(longest, cfg) - shortest_prompt)
     share = answers_sharing_a_prompt(cfg)
-    rows = share * round_up_64(answer_tokens) + prompt_rows_for(longest, share)
+    rows = share * round_up_64(answer_tokens) + math.ceil(prompt_slot_spare(share)) * prompt_rows_for(longest, share)
     if cache_rows(cfg, target) < rows:
         need = rows * kv_bytes_per_row(target) / 2**30
         raise InputError(f"data.regen_cache_gib ({cfg.regen_cache_gib}) cannot hold the answers of one of the longest "
@@ -84,6 +84,10 @@ def check_settings(cfg: DataConfig, target: Target) -> None:
 
 def answers_sharing_a_prompt(cfg: DataConfig) -> int:
     return len(cfg.answer_temperatures) if cfg.regen_share_prompts else 1
+
+
+def prompt_slot_spare(share: int) -> float:
+    return PROMPT_SLOT_SPARE if share > 1 else 1.0
 
 
 def round_up_64(n: int) -> int:
@@ -180,8 +184,9 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
                            top_p=cfg.top_p, attention=attention, on_answer=on_answer, deadline=deadline, **layout)
         session["buckets"].append({"prompt_width": width, "slots": layout["num_slots"],
                                    "prompt_slots": layout["prompt_slots"], "answer_rows": layout["answer_rows"],
-                                   "admit_prompts": layout["admit_prompts"], "answers": stats.answers, "completion_tokens": stats.completion_tokens,
-                                   "decode_steps": stats.decode_steps, "seconds": round(stats.seconds, 2),
+                                   "admit_prompts": layout["admit_prompts"], "answers": stats.answers,
+                                   "completion_tokens": stats.completion_tokens, "decode_steps": stats.decode_steps,
+                                   "seconds": round(stats.seconds, 2),
                                    "admissions": stats.admissions,
                                    "admission_seconds": round(stats.admission_seconds, 2),
                                    "chunks": stats.chunks, "chunk_seconds": round(stats.chunk_seconds, 2),
@@ -207,7 +212,7 @@ def slot_layout(width: int, answer_tokens: int, share: int, cfg: DataConfig, tot
     up to data.regen_batch_size, and at least one prompt's."""
     answer_rows = round_up_64(answer_tokens)
     prompt_rows = prompt_rows_for(width, share)
-    spare = PROMPT_SLOT_SPARE if share > 1 else 1.0
+    spare = prompt_slot_spare(share)
     fit = int(total_rows // (answer_rows + prompt_rows * spare / share))
     num_slots = max(share, min(cfg.regen_batch_size, fit))  # check_settings made sure `share` fit
     prompt_slots = max(1, math.ceil(num_slots * spare / share))
