@@ -61,10 +61,15 @@ def new_slot_state(cfg: qwen3.Config, num_slots: int, answer_rows: int, prompt_s
                      keys=jax.random.split(jax.random.key(0), num_slots), temperature=zeros(jnp.float32))
 
 
+def round_up_64(n: int) -> int:
+    """Cache rows come in multiples of 64, the attention kernel's key block."""
+    return -(-n // 64) * 64
+
+
 def prompt_rows_for(width: int, answers_per_prompt: int) -> int:
     """Cache rows of a prompt slot: the prompt, then room the attention kernel reads past it (one row
     per answer, as tree nodes that nothing sees), rounded to 64."""
-    return -(-(width + answers_per_prompt) // 64) * 64
+    return round_up_64(width + answers_per_prompt)
 
 
 def choose_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: float) -> jax.Array:

@@ -23,7 +23,7 @@ from jetspec_jax.target import Target
 from .config import DEFAULT_DATA_DIR, DataConfig
 from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, read_prompt_ids, sha256_hex
 from .mixture import HELDOUT_FRACTION, load_prompts
-from .regen_engine import Job, answer_key_ids, prompt_rows_for, run_bucket
+from .regen_engine import Job, answer_key_ids, prompt_rows_for, round_up_64, run_bucket
 
 MIN_BUCKET = 128  # prompt widths are powers of two from here: a handful of compiled shapes
 ADMIT_TOKENS = 1 << 16  # prompt tokens per admission call, bounding its activations
@@ -48,7 +48,7 @@ def prompt_buckets(max_prompt_tokens: int) -> list[int]:
     while w < max_prompt_tokens:
         widths.append(w)
         w *= 2
-    return widths + [-(-max_prompt_tokens // 64) * 64]
+    return widths + [round_up_64(max_prompt_tokens)]
 
 
 def regeneration_settings(target: Target, prompts: Sequence[dict], cfg: DataConfig, seed: int) -> dict[str, Any]:
@@ -88,10 +88,6 @@ def answers_sharing_a_prompt(cfg: DataConfig) -> int:
 
 def prompt_slot_spare(share: int) -> float:
     return PROMPT_SLOT_SPARE if share > 1 else 1.0
-
-
-def round_up_64(n: int) -> int:
-    return -(-n // 64) * 64
 
 
 def kv_bytes_per_row(target: Target) -> int:
