@@ -24,7 +24,7 @@ import uvicorn
 
 from conftest import make_tiny_checkpoint
 from jetspec_jax.generate import generate, random_head
-from jetspec_jax.serve.engine import Engine
+from jetspec_jax.serve.engine import Engine, EngineRequest, FinishEvent
 from jetspec_jax.serve.http_server import GracefulServer, begin_shutdown, create_app
 from jetspec_jax.target import load_target
 
@@ -153,6 +153,14 @@ def offline(target, prompts, max_tokens, chat=True):
 def chat(client, prompt, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                           temperature=0, **kw)
+
+
+def finish_of(handle, timeout: float = 120.0) -> FinishEvent:
+    """Reads an engine request's events up to its end."""
+    deadline = time.monotonic() + timeout
+    while not isinstance(event := handle.get(timeout=max(0.0, deadline - time.monotonic())), FinishEvent):
+        pass
+    return event
 
 
 def read_stream(stream, chat=True):
@@ -302,12 +310,19 @@ def test_queue_overflow_is_429_and_shutdown_answers_the_queue(tiny):
 
 
 def test_shutdown_under_load_finishes_or_cancels_everything(tiny):
-    """SIGTERM's path with 6 requests on 4 slots and a 2 s grace period: the short running ones
-    finish, the others finish or are cancelled and told so (503, or an error event in the stream),
-    none hangs, and the server and the engine stop."""
+    """SIGTERM's path with 6 requests on 4 slots: the short running ones finish within the grace
+    period, the others finish or are cancelled and told so (503, or an error event in the stream),
+    none hangs, and the server and the engine stop. The grace period is ten times what the short
+    requests take on this machine, after a full warm-up, so that a slow or busy machine cannot turn
+    a finish into a cancellation."""
     target, head = tiny
-    engine = Engine(target, head, **TINY_ENGINE).start()  # the tiny server's shapes: no new compilation
-    with serving(engine, target.tokenizer, graceful=2.0) as live:
+    engine = Engine(target, head, **TINY_ENGINE).start(warm_up=True)
+    engine.warm_up.wait()  # every program compiled: no request below waits on a compilation
+    t0 = time.monotonic()
+    short = [engine.submit(EngineRequest([3 + i] * 12, max_new_tokens=30)) for i in range(4)]
+    assert [finish_of(h).reason for h in short] == ["length"] * 4
+    graceful = max(2.0, 10 * (time.monotonic() - t0))
+    with serving(engine, target.tokenizer, graceful=graceful) as live:
         client = live.client(timeout=60)
         assert chat(client, "warm", max_tokens=4).choices[0].finish_reason == "length"
 
@@ -333,7 +348,7 @@ def test_shutdown_under_load_finishes_or_cancels_everything(tiny):
             live.server.handle_exit(signal.SIGTERM, None)
             outcomes = [f.result(timeout=60) for f in running + queued]
         live.thread.join(60)
-        assert not live.thread.is_alive() and time.monotonic() - t0 < 30
+        assert not live.thread.is_alive() and time.monotonic() - t0 < graceful + 30
     assert engine.thread is not None and not engine.thread.is_alive()
     assert outcomes[:2] == ["length", "length"], outcomes  # short ones finish within the grace period
     assert set(outcomes) <= {"length", "cancelled"}, outcomes
