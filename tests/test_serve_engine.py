@@ -4,7 +4,6 @@ the queue bound and shutdown behave, and after the full warm-up no request compi
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 
@@ -12,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_serve_budget import cost_table
 from test_speculative import chi_square_pvalue, exact_token_distributions
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.generate import pad_prompts, random_head
 from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.serve import slots as device
-from jetspec_jax.serve.budget import BudgetPolicy, CostTable
 from jetspec_jax.serve.engine import (Engine, EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
                                       SamplingParams, TokenEvent)
 from jetspec_jax.serve.warmup import CompileWatch
@@ -311,53 +309,3 @@ def test_bad_requests_name_the_field(target, heads):
     with pytest.raises(ValueError, match="needs a draft head"):
         Engine(target, None, method="jetspec")
     engine.shutdown()
-
-
-def cost_table(tmp_path, rows) -> str:
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps({"rows": [dict(batch=b, budget=bud, step_ms=ms, tau=tau) for b, bud, ms, tau in rows]}))
-    return str(path)
-
-
-def test_adaptive_budget_follows_the_load(target, tmp_path):
-    """Large trees pay at low load, small ones at high load (numbers shaped like the H200's)."""
-    path = cost_table(tmp_path, [(1, 16, 1.1, 2.9), (1, 64, 1.3, 3.6), (16, 16, 1.6, 2.9), (16, 64, 3.2, 3.6)])
-    policy = BudgetPolicy.create("auto", 7, 16, target, path)
-    assert policy.budgets == (16, 64)
-    assert policy.choose(1) == 64 and policy.choose(16) == 16
-    assert policy.choose(8) == 16  # steps interpolated to 1.33 vs 2.19 ms
-    fixed = BudgetPolicy.create(32, 7, 16, target, path)
-    assert fixed.choose(1) == fixed.choose(16) == 32
-
-
-def test_adaptive_budget_learns_online_without_a_table(target):
-    policy = BudgetPolicy.create("auto", 7, 8, target, cost_table=None, method="no-shipped-table")
-    seen = []
-    for _ in range(2 * len(policy.budgets)):
-        budget = policy.choose(4)
-        seen.append(budget)
-        policy.observe(budget, 4, step_seconds=1e-3 * (1 + budget / 64), tau=1 + np.log2(budget) / 2)
-    assert sorted(set(seen)) == list(policy.budgets)  # every budget tried first
-    rates = {b: 4 * (1 + np.log2(b) / 2) / (1 + b / 64) for b in policy.budgets}
-    assert policy.choose(4) == max(rates, key=rates.get)
-
-
-def test_observations_refine_the_table_instead_of_replacing_it(target, tmp_path):
-    """One noisy chunk does not overturn a measured table; a steady difference does, gradually."""
-    path = cost_table(tmp_path, [(1, 16, 1.0, 2.5), (1, 64, 1.0, 3.0)])
-    policy = BudgetPolicy.create("auto", 7, 8, target, path)
-    assert policy.choose(1) == 64
-    policy.observe(64, 1, step_seconds=1e-3, tau=2.0)  # one unlucky chunk
-    assert policy.observed_tau[64] == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)
-    assert policy.choose(1) == 64
-    for _ in range(10):
-        policy.observe(64, 1, step_seconds=1e-3, tau=2.0)  # B=64 keeps accepting less on this workload
-    assert policy.choose(1) == 16
-    assert policy.observed_ms[(1, 64)] == pytest.approx(1.0)
-
-
-def test_bad_cost_table_is_named(target, tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text('{"rows": [{"batch": 1}]}')
-    with pytest.raises(DamagedFileError, match="bad.json.*not a cost table"):
-        CostTable.read(str(path))

@@ -19,8 +19,13 @@ from jetspec_jax.errors import DamagedFileError
 
 AUTO_BUDGETS = (16, 32, 64, 128)
 TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_tables")
-OBSERVED_WEIGHT = 0.2  # exponential moving average of what the engine sees
+TABLE_CHUNKS = 4.0  # the table's value counts as 4 chunks: the first observations correct it fast ...
+OBSERVED_WEIGHT = 0.05  # ... then a moving average over ~20 chunks (one chunk's tau is a noisy sample)
+REFERENCE_STEPS = 8  # a chunk's worth of steps; a chunk cut short (a request ended) counts for less
+OUTLIER_RATIO = 2.0  # a step time is clipped to [1/2, 2] x the estimate: one stalled chunk cannot exile a budget
 TRIES_PER_ARM = 2  # online: chunks each (load, budget) runs before the best is exploited
+PROBE_EVERY = 32  # every 32nd chunk at a load runs the runner-up budget chosen longest ago ...
+PROBE_MARGIN = 0.2  # ... if its expected rate is within 20% of the best: estimates stay fresh for <= 0.6%
 
 
 def load_bucket(live: int) -> int:
@@ -86,7 +91,11 @@ class BudgetPolicy:
     table: CostTable
     observed_ms: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, budget)
     observed_tau: dict[int, float] = dataclasses.field(default_factory=dict)
-    tries: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    tries: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (bucket, budget) -> chunks
+    chunks: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> chunks chosen
+    last_chosen: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # -> its chunk number
+    ms_chunks: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # chunks behind each estimate
+    tau_chunks: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def create(budget: int | str, width: int, num_slots: int, target, cost_table: str | None,
@@ -113,24 +122,48 @@ class BudgetPolicy:
         return live * tau / ms
 
     def choose(self, live: int, batch: int | None = None) -> int:
+        """The budget of the next chunk: untried ones first (online, no table), then the best expected
+        rate, except that every PROBE_EVERY-th chunk at a load re-measures a close runner-up, so an
+        estimate that went wrong (a noisy table, a workload unlike the table's) is corrected."""
         if not self.adaptive:
             return self.budgets[0]
         bucket = load_bucket(batch or live)
+        number = self.chunks.get(bucket, 0)
+        self.chunks[bucket] = number + 1
         untried = [b for b in self.budgets if self.expected_rate(live, b, batch) is None
                    or (not self.table.step_ms and self.tries.get((bucket, b), 0) < TRIES_PER_ARM)]
         if untried:
-            return untried[0]
-        return max(self.budgets, key=lambda b: self.expected_rate(live, b, batch))
+            choice = untried[0]
+        else:
+            rates = {b: self.expected_rate(live, b, batch) for b in self.budgets}
+            choice = max(self.budgets, key=rates.get)
+            close = [b for b in self.budgets if b != choice and rates[b] >= (1 - PROBE_MARGIN) * rates[choice]]
+            if close and number % PROBE_EVERY == PROBE_EVERY - 1:
+                choice = min(close, key=lambda b: self.last_chosen.get((bucket, b), -1))
+        self.last_chosen[(bucket, choice)] = number
+        return choice
 
-    def observe(self, budget: int, batch: int, step_seconds: float, tau: float) -> None:
-        """One chunk's step time and tau move the estimates by OBSERVED_WEIGHT from where they were: the
-        table's values to begin with (one chunk of 8 steps is a noisy sample of tau; the table averages
-        hundreds), or the first observation where the table has none."""
+    def observe(self, budget: int, batch: int, step_seconds: float, tau: float,
+                steps: int = REFERENCE_STEPS) -> None:
+        """A chunk of `steps` steps refines the estimates of its (load, budget) step time and its budget's
+        tau: a running mean that starts from the table's value worth TABLE_CHUNKS chunks (or from the
+        first observation where the table has none) and becomes a moving average of weight
+        OBSERVED_WEIGHT per chunk; the step time is first clipped to within OUTLIER_RATIO of the
+        estimate."""
         key = (load_bucket(batch), budget)
         self.tries[key] = self.tries.get(key, 0) + 1
+        chunks = steps / REFERENCE_STEPS
         ms = step_seconds * 1e3
         prior_ms = self.observed_ms.get(key, self.table.step_time(batch, budget))
-        self.observed_ms[key] = ms if prior_ms is None else (1 - OBSERVED_WEIGHT) * prior_ms + OBSERVED_WEIGHT * ms
+        if prior_ms is not None:
+            ms = min(max(ms, prior_ms / OUTLIER_RATIO), prior_ms * OUTLIER_RATIO)
+        self.observed_ms[key] = self._refine(self.ms_chunks, key, prior_ms, ms, chunks)
         prior_tau = self.observed_tau.get(budget, self.table.tau.get(budget))
-        self.observed_tau[budget] = tau if prior_tau is None else (
-            (1 - OBSERVED_WEIGHT) * prior_tau + OBSERVED_WEIGHT * tau)
+        self.observed_tau[budget] = self._refine(self.tau_chunks, budget, prior_tau, tau, chunks)
+
+    @staticmethod
+    def _refine(counts: dict, key, prior: float | None, value: float, chunks: float) -> float:
+        seen = counts.get(key, 0.0 if prior is None else TABLE_CHUNKS)
+        counts[key] = seen + chunks
+        weight = max(chunks / (seen + chunks), 1 - (1 - OBSERVED_WEIGHT) ** chunks)
+        return value if prior is None else (1 - weight) * prior + weight * value

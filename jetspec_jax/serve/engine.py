@@ -470,7 +470,8 @@ class Engine:
         self.stats.add_chunk(chunk.budget, chunk.live, chunk.active, steps, committed, accepted, seconds, timed=timed)
         if self.policy is not None and steps and timed:
             live_steps = chunk.live * steps
-            self.policy.observe(chunk.budget, chunk.active, seconds / steps, (accepted + live_steps) / live_steps)
+            self.policy.observe(chunk.budget, chunk.active, seconds / steps, (accepted + live_steps) / live_steps,
+                                steps)
         for i, handle in enumerate(chunk.owners):
             if handle is None or counts[i] == 0 or not self._owns(i, handle):
                 continue
