@@ -359,27 +359,32 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
     return (outs[0], None) if merge_in_kernel else tuple(outs)
 
 
-def combine_partials(outs: list, lses: list) -> jax.Array:
+def combine_partials(outs: list, lses: list, *, with_lse: bool = False):
     """fp32 sum of partial outputs (each (..., D)), each weighted by exp(lse_p - lse_total) (each (...,);
-    an empty partial has lse = -inf and weight 0). Written out over the few, static partials: XLA makes
-    two kernels of it, 3.5-3.8 us at the 8B target shape on the H200 (a logsumexp and a weighted sum
-    over an axis were three, 4.7 us), and the kernel's own merge runs the same code."""
+    an empty partial has lse = -inf and weight 0), and with `with_lse` also the merged log-sum-exp
+    (-inf where every partial is empty), for merging with attention over other keys. Written out over
+    the few, static partials: XLA makes two kernels of it, 3.5-3.8 us at the 8B target shape on the
+    H200 (a logsumexp and a weighted sum over an axis were three, 4.7 us), and the kernel's own merge
+    runs the same code."""
     top = functools.reduce(jnp.maximum, lses)
     top = jnp.where(top == -jnp.inf, 0.0, top)  # every partial empty: all weights 0
     weights = [jnp.exp(x - top) for x in lses]
     total = functools.reduce(jnp.add, weights)
     merged = functools.reduce(jnp.add, [o * w[..., None] for o, w in zip(outs, weights)])
-    return merged / jnp.where(total == 0, 1.0, total)[..., None]
+    merged = merged / jnp.where(total == 0, 1.0, total)[..., None]
+    if not with_lse:
+        return merged
+    return merged, jnp.where(total == 0, -jnp.inf, jnp.log(total) + top)
 
 
-def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
+def merge_partials(out: jax.Array, lse: jax.Array, axis: int, *, with_lse: bool = False):
     """`combine_partials` of the partials along `axis` of out and lse (lse has no D axis), in fp32; a
-    single partial is returned as it is."""
+    single partial is returned as it is, unless its lse is asked for too."""
     count = out.shape[axis]
-    if count == 1:  # already final, in the kernel's output dtype
+    if count == 1 and not with_lse:  # already final, in the kernel's output dtype
         return jnp.take(out, 0, axis=axis)
     return combine_partials([jnp.take(out, i, axis=axis).astype(jnp.float32) for i in range(count)],
-                            [jnp.take(lse, i, axis=axis) for i in range(count)])
+                            [jnp.take(lse, i, axis=axis) for i in range(count)], with_lse=with_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
@@ -399,18 +404,6 @@ def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
         return merge_partials(out, lse, axis=1).astype(q.dtype)
     merged = merge_partials(out, lse, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
     return merged.reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d).astype(q.dtype)
-
-
-def merge_partials_with_lse(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """The partials along `axis` merged in fp32 as `combine_partials` does, with the merged
-    log-sum-exp (what a caller needs to merge this result with attention over other keys)."""
-    top = jnp.max(lse, axis=axis, keepdims=True)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    weights = jnp.exp(lse - top)
-    total = jnp.sum(weights, axis=axis)
-    merged = jnp.sum(out.astype(jnp.float32) * jnp.expand_dims(weights, -1), axis=axis)
-    merged = merged / jnp.where(total == 0, 1.0, total)[..., None]
-    return merged, jnp.where(total == 0, -jnp.inf, jnp.log(total) + jnp.squeeze(top, axis))
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "tuning"))
@@ -438,8 +431,8 @@ def tree_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, lengths: j
     out, lse = tree_attention_splits(q_in, k, v, lengths, words, num_nodes=n, num_heads=h, block_rows=block_rows,
                                      tuning=tuning, interpret=implementation == "pallas_interpret")
     if head_blocked(n, block_rows):
-        return merge_partials_with_lse(out, lse, axis=1)
-    out, lse = merge_partials_with_lse(out, lse, axis=2)  # (B, Hkv, rows, D), (B, Hkv, rows)
+        return merge_partials(out, lse, axis=1, with_lse=True)
+    out, lse = merge_partials(out, lse, axis=2, with_lse=True)  # (B, Hkv, rows, D), (B, Hkv, rows)
     out = out[:, :, :group * n].reshape(b, hkv, group, n, d).transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
     lse = lse[:, :, :group * n].reshape(b, hkv, group, n).transpose(0, 3, 1, 2).reshape(b, n, h)
     return out, lse
