@@ -125,6 +125,24 @@ def greedy_and_sampled(embedded_target, tmp_path_factory):
     return out, regenerate(embedded_target, PROMPTS, out, SETTINGS)
 
 
+@pytest.mark.parametrize("share", [1, 3])
+def test_slot_layout_fills_the_cache_rows_without_passing_them(share):
+    """As many answer slots as the rows hold with their prompt slots (rounded up), never more, up to
+    data.regen_batch_size; check_settings refuses a cache without room for one prompt's answers."""
+    cfg = dataclasses.replace(SETTINGS, regen_batch_size=4096)
+    for width in (128, 512, 4096):
+        prompt_rows = regen_module.prompt_rows_for(width, share)
+        for answer_tokens in (64, 500):
+            answer_rows = regen_module.round_up_64(answer_tokens)
+            smallest = regen_module.layout_rows(share, answer_rows, prompt_rows, share)
+            for total in [smallest, smallest + 1, 3 * smallest - 7, 1000 * smallest + 13, 10**7]:
+                layout = regen_module.slot_layout(width, answer_tokens, share, cfg, total)
+                n = layout["num_slots"]
+                assert layout["prompt_slots"] == regen_module.prompt_slots_for(n, share)
+                assert regen_module.layout_rows(n, answer_rows, prompt_rows, share) <= total
+                assert n == 4096 or regen_module.layout_rows(n + 1, answer_rows, prompt_rows, share) > total
+
+
 def test_greedy_answers_match_generate_and_long_prompts_get_their_bucket(embedded_target, greedy_and_sampled):
     out, manifest = greedy_and_sampled
     assert manifest["complete"] and manifest["num_answers"] == 8

@@ -75,7 +75,7 @@ def check_settings(cfg: DataConfig, target: Target) -> None:
     shortest_prompt = widths[-2] + 1 if len(widths) > 1 else 1
     answer_tokens = min(max(cfg.max_answer_tokens, cfg.max_new_tokens), bucket_rows(longest, cfg) - shortest_prompt)
     share = answers_sharing_a_prompt(cfg)
-    rows = share * round_up_64(answer_tokens) + math.ceil(prompt_slot_spare(share)) * prompt_rows_for(longest, share)
+    rows = layout_rows(share, round_up_64(answer_tokens), prompt_rows_for(longest, share), share)
     if cache_rows(cfg, target) < rows:
         need = rows * kv_bytes_per_row(target) / 2**30
         raise InputError(f"data.regen_cache_gib ({cfg.regen_cache_gib}) cannot hold the answers of one of the longest "
@@ -88,6 +88,17 @@ def answers_sharing_a_prompt(cfg: DataConfig) -> int:
 
 def prompt_slot_spare(share: int) -> float:
     return PROMPT_SLOT_SPARE if share > 1 else 1.0
+
+
+def prompt_slots_for(num_slots: int, share: int) -> int:
+    """Prompt slots beside `num_slots` answer slots: PROMPT_SLOT_SPARE per group of `share` answers, so
+    that answer slots freed early can start new prompts (one per answer without sharing)."""
+    return max(1, math.ceil(num_slots * prompt_slot_spare(share) / share))
+
+
+def layout_rows(num_slots: int, answer_rows: int, prompt_rows: int, share: int) -> int:
+    """Cache rows of `num_slots` answer slots and their prompt slots."""
+    return num_slots * answer_rows + prompt_slots_for(num_slots, share) * prompt_rows
 
 
 def kv_bytes_per_row(target: Target) -> int:
@@ -208,10 +219,11 @@ def slot_layout(width: int, answer_tokens: int, share: int, cfg: DataConfig, tot
     up to data.regen_batch_size, and at least one prompt's."""
     answer_rows = round_up_64(answer_tokens)
     prompt_rows = prompt_rows_for(width, share)
-    spare = prompt_slot_spare(share)
-    fit = int(total_rows // (answer_rows + prompt_rows * spare / share))
+    fit = int(total_rows // (answer_rows + prompt_rows * prompt_slot_spare(share) / share))  # before rounding up
     num_slots = max(share, min(cfg.regen_batch_size, fit))  # check_settings made sure `share` fit
-    prompt_slots = max(1, math.ceil(num_slots * spare / share))
+    while num_slots > share and layout_rows(num_slots, answer_rows, prompt_rows, share) > total_rows:
+        num_slots -= 1  # the prompt slots, rounded up, took a few more rows
+    prompt_slots = prompt_slots_for(num_slots, share)
     # small groups keep few slots waiting for admission; each group is one prefill call
     admit_prompts = max(1, min(prompt_slots, max(num_slots // (32 * share), 8), ADMIT_TOKENS // width))
     return {"num_slots": num_slots, "prompt_slots": prompt_slots, "answer_rows": answer_rows,
