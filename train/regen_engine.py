@@ -243,6 +243,7 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
                            params["embed"].dtype)
     queue = list(reversed(group_by_prompt(jobs, k)))  # the next group is the last
     owner: list[Job | None] = [None] * num_slots
+    live = np.zeros((num_slots,), bool)  # owner[s] is not None, for whole-array tests over 1000s of slots
     prompt_of = np.zeros((num_slots,), np.int64)
     readers = np.zeros((prompt_slots,), np.int64)  # live answers of each prompt slot; 0 = free
     answer = np.zeros((num_slots, answer_rows), np.int32)  # host copy of each slot's tokens so far
@@ -251,27 +252,26 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
 
     def finish(slot: int) -> None:
         job, tokens = owner[slot], answer[slot, :count[slot]].tolist()
-        owner[slot] = None
+        owner[slot], live[slot] = None, False
         readers[prompt_of[slot]] -= 1
         stats.answers += 1
         stats.completion_tokens += len(tokens)
         on_answer(job, tokens, bool(tokens) and tokens[-1] in eos)
 
-    while queue or any(o is not None for o in owner):
+    while queue or live.any():
         if time.perf_counter() > deadline:
             break
         while queue:
             # Admit in full groups; a partial group only when nothing else would run.
-            free = [s for s, o in enumerate(owner) if o is None]
+            free = np.flatnonzero(~live).tolist()
             free_prompts = np.flatnonzero(readers == 0).tolist()
-            live = num_slots - len(free)
             batch, needed = [], 0
             for group in reversed(queue):
                 if len(batch) == min(admit_prompts, len(free_prompts)) or needed + len(group) > len(free):
                     break
                 batch.append(group)
                 needed += len(group)
-            if not batch or (len(batch) < min(admit_prompts, len(queue)) and live > 0):
+            if not batch or (len(batch) < min(admit_prompts, len(queue)) and live.any()):
                 break
             del queue[len(queue) - len(batch):]
             padded_prompts = np.full((admit_prompts,), prompt_slots, np.int32)  # past the end: dropped
@@ -303,12 +303,13 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
                 for c, job in enumerate(group):
                     slot = int(slots[r, c])
                     owner[slot], prompt_of[slot], answer[slot, 0], count[slot] = job, padded_prompts[r], first[r, c], 1
+                    live[slot] = True
                     readers[padded_prompts[r]] += 1
                     if done[r, c]:
                         finish(slot)
-        if all(o is None for o in owner):
+        if not live.any():
             continue
-        was_live = np.array([o is not None for o in owner])
+        was_live = live.copy()
         launched = time.perf_counter()
         state, out = decode_chunk(params, state, cfg=cfg, steps=chunk_steps, eos_token_ids=eos_token_ids,
                                   pad_token_id=pad_token_id, top_p=top_p, attention=attention)
