@@ -18,7 +18,7 @@ its `warning` says so. The compilation cache (--cache-dir, on by default) keeps 
 run, and a variant reuses the programs an earlier one compiled (auto's chunks are the fixed budgets').
 Each row also keeps, for analysis, its chunks (`chunk_log`: budget, live requests, rows, steps, ms,
 accepted draft tokens) and, for `auto`, the expected tokens a millisecond the policy holds for each
-budget at that concurrency after the level (`policy_rates`).
+budget at that concurrency after the level, with the step time, tau and chunks behind each (`policy_estimates`).
 """
 
 from __future__ import annotations
@@ -226,21 +226,21 @@ def measure_variant(server: LiveServer, variant: str, clients, prompts, args, ro
                                stats.admission_seconds - before[2]), server.engine.overlap))
         rows[-1].update(chunk_log=[[h["budget"], h["live"], h["active"], h["steps"], round(h["seconds"] * 1e3, 3),
                                     h["accepted"]] for h in stats.history],
-                        policy_rates=policy_rates(server.engine, c))
+                        policy_estimates=policy_estimates(server.engine, c))
         print_table(rows[-1:], [k for k in rows[-1] if k not in DETAIL_COLUMNS])
 
 
-DETAIL_COLUMNS = ("compiled_programs", "budgets_used", "chunk_log", "policy_rates")
+DETAIL_COLUMNS = ("compiled_programs", "budgets_used", "chunk_log", "policy_estimates")
 
 
-def policy_rates(engine, live: int) -> dict[str, float] | None:
-    """The adaptive budget's expected tokens a millisecond for each budget at `live` requests, as it
-    stands after a level: what its next choice at that load compares."""
+def policy_estimates(engine, live: int) -> dict[str, dict] | None:
+    """The adaptive budget's estimates for each budget at `live` requests (expected tokens a
+    millisecond, step ms, tau, chunks observed), as they stand after a level: what its next choice
+    at that load compares."""
     policy = engine.policy
     if policy is None or not policy.adaptive:
         return None
-    batch = engine.chunk_rows(live)
-    return {str(b): policy.expected_rate(live, b, batch) for b in policy.budgets}
+    return {str(b): e for b, e in policy.estimates(live, engine.chunk_rows(live)).items()}
 
 
 def add_ratios_to_ar(rows: list[dict]) -> None:

@@ -77,6 +77,14 @@ def test_a_chunk_cut_short_counts_for_less(tmp_path):
     assert short.observed_tau[64] == pytest.approx(3.0 - 0.25 / 4.25)
 
 
+def test_estimates_show_what_a_choice_compares(tmp_path):
+    policy = BudgetPolicy.create("auto", 7, 8, TARGET, cost_table(tmp_path, [(1, 16, 1.0, 2.0), (1, 64, 1.0, 3.0)]))
+    policy.observe(64, 1, step_seconds=1.5e-3, tau=3.0)
+    assert policy.estimates(1) == {16: {"rate": 2.0, "step_ms": 1.0, "tau": 2.0, "chunks": 0},
+                                   64: {"rate": pytest.approx(3.0 / 1.1), "step_ms": pytest.approx(1.1),
+                                        "tau": pytest.approx(3.0), "chunks": 1}}
+
+
 @pytest.mark.parametrize("probing", [True, False])
 def test_probes_correct_a_table_unlike_the_workload(tmp_path, monkeypatch, probing):
     """The table ranks B=32 first, but this workload accepts more at B=64: only the probes of the

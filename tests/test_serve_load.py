@@ -67,7 +67,7 @@ def test_serve_load_times_no_compilation(tmp_path):
         log = row["chunk_log"]  # budget, live, rows, steps, ms, accepted: one entry per chunk of the window
         assert len(log) == row["chunks"] and all(str(c[0]) == str(log[0][0]) and 0 <= c[3] <= 2 for c in log)
         assert sum(c[3] for c in log) == pytest.approx(row["steps_per_chunk"] * row["chunks"])
-        assert row["policy_rates"] is None  # a fixed budget has no estimates
+        assert row["policy_estimates"] is None  # a fixed budget has no estimates
     # chunks of 1 and 2 rows, and admissions of 1 and of 2 prompts in buckets of 64, 128 and 192 columns
     assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 8, "8": 8, "8/overlap": 8}
     assert all(w["seconds"] > 0 for w in result["warm_up"].values())

@@ -121,6 +121,15 @@ class BudgetPolicy:
             return None
         return live * tau / ms
 
+    def estimates(self, live: int, batch: int | None = None) -> dict[int, dict[str, float | None]]:
+        """What the next choice at this load compares, per budget: expected tokens a millisecond, step
+        ms, tau, and the chunks observed at this load (0: the table's values as they are)."""
+        bucket = load_bucket(batch or live)
+        return {b: {"rate": self.expected_rate(live, b, batch),
+                    "step_ms": self.observed_ms.get((bucket, b), self.table.step_time(batch or live, b)),
+                    "tau": self.observed_tau.get(b, self.table.tau.get(b)),
+                    "chunks": self.tries.get((bucket, b), 0)} for b in self.budgets}
+
     def choose(self, live: int, batch: int | None = None) -> int:
         """The budget of the next chunk: untried ones first (online, no table), then the best expected
         rate, except that every PROBE_EVERY-th chunk at a load re-measures a close runner-up, so an
