@@ -109,14 +109,18 @@ class BudgetPolicy:
         budgets = tuple(sorted({b for _, b in table.step_ms})) or AUTO_BUDGETS
         return BudgetPolicy(budgets, True, table)
 
+    def step_ms(self, batch: int, budget: int) -> float | None:
+        """The step time estimate of a step of `batch` rows: observed at its load, else the table's."""
+        ms = self.observed_ms.get((load_bucket(batch), budget))
+        return self.table.step_time(batch, budget) if ms is None else ms
+
+    def tau(self, budget: int) -> float | None:
+        return self.observed_tau.get(budget, self.table.tau.get(budget))
+
     def expected_rate(self, live: int, budget: int, batch: int | None = None) -> float | None:
         """Expected committed tokens per millisecond with `live` sequences in a step of `batch` rows
         (default: live), or None if unknown."""
-        batch = batch or live
-        ms = self.observed_ms.get((load_bucket(batch), budget))
-        if ms is None:
-            ms = self.table.step_time(batch, budget)
-        tau = self.observed_tau.get(budget, self.table.tau.get(budget))
+        ms, tau = self.step_ms(batch or live, budget), self.tau(budget)
         if ms is None or tau is None:
             return None
         return live * tau / ms
@@ -125,10 +129,8 @@ class BudgetPolicy:
         """What the next choice at this load compares, per budget: expected tokens a millisecond, step
         ms, tau, and the chunks observed at this load (0: the table's values as they are)."""
         bucket = load_bucket(batch or live)
-        return {b: {"rate": self.expected_rate(live, b, batch),
-                    "step_ms": self.observed_ms.get((bucket, b), self.table.step_time(batch or live, b)),
-                    "tau": self.observed_tau.get(b, self.table.tau.get(b)),
-                    "chunks": self.tries.get((bucket, b), 0)} for b in self.budgets}
+        return {b: {"rate": self.expected_rate(live, b, batch), "step_ms": self.step_ms(batch or live, b),
+                    "tau": self.tau(b), "chunks": self.tries.get((bucket, b), 0)} for b in self.budgets}
 
     def choose(self, live: int, batch: int | None = None) -> int:
         """The budget of the next chunk: untried ones first (online, no table), then the best expected
@@ -163,12 +165,11 @@ class BudgetPolicy:
         self.tries[key] = self.tries.get(key, 0) + 1
         chunks = steps / REFERENCE_STEPS
         ms = step_seconds * 1e3
-        prior_ms = self.observed_ms.get(key, self.table.step_time(batch, budget))
+        prior_ms = self.step_ms(batch, budget)
         if prior_ms is not None:
             ms = min(max(ms, prior_ms / OUTLIER_RATIO), prior_ms * OUTLIER_RATIO)
         self.observed_ms[key] = self._refine(self.ms_chunks, key, prior_ms, ms, chunks)
-        prior_tau = self.observed_tau.get(budget, self.table.tau.get(budget))
-        self.observed_tau[budget] = self._refine(self.tau_chunks, budget, prior_tau, tau, chunks)
+        self.observed_tau[budget] = self._refine(self.tau_chunks, budget, self.tau(budget), tau, chunks)
 
     @staticmethod
     def _refine(counts: dict, key, prior: float | None, value: float, chunks: float) -> float:
