@@ -23,8 +23,9 @@ import pytest
 import uvicorn
 
 from conftest import make_tiny_checkpoint
+from test_serve_engine import collect
 from jetspec_jax.generate import generate, random_head
-from jetspec_jax.serve.engine import Engine, EngineRequest, FinishEvent
+from jetspec_jax.serve.engine import Engine, EngineRequest
 from jetspec_jax.serve.http_server import GracefulServer, begin_shutdown, create_app
 from jetspec_jax.target import load_target
 
@@ -153,14 +154,6 @@ def offline(target, prompts, max_tokens, chat=True):
 def chat(client, prompt, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                           temperature=0, **kw)
-
-
-def finish_of(handle, timeout: float = 120.0) -> FinishEvent:
-    """Reads an engine request's events up to its end."""
-    deadline = time.monotonic() + timeout
-    while not isinstance(event := handle.get(timeout=max(0.0, deadline - time.monotonic())), FinishEvent):
-        pass
-    return event
 
 
 def read_stream(stream, chat=True):
@@ -320,7 +313,7 @@ def test_shutdown_under_load_finishes_or_cancels_everything(tiny):
     engine.warm_up.wait()  # every program compiled: no request below waits on a compilation
     t0 = time.monotonic()
     short = [engine.submit(EngineRequest([3 + i] * 12, max_new_tokens=30)) for i in range(4)]
-    assert [finish_of(h).reason for h in short] == ["length"] * 4
+    assert [collect(h)[1].reason for h in short] == ["length"] * 4
     graceful = max(2.0, 10 * (time.monotonic() - t0))
     with serving(engine, target.tokenizer, graceful=graceful) as live:
         client = live.client(timeout=60)
