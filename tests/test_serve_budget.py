@@ -34,6 +34,19 @@ def test_adaptive_budget_follows_the_load(tmp_path):
     assert fixed.choose(1) == fixed.choose(16) == 32
 
 
+def test_step_time_between_and_past_the_measured_batches(tmp_path):
+    """Past the largest measured batch the step time follows the line through the last two (the
+    H200's batch-8 and -16 B=16 steps, 1.69 and 1.98 ms, give 2.56 at 32; it measured 2.60)."""
+    table = CostTable.read(cost_table(tmp_path, [(1, 16, 1.67, 2.6), (8, 16, 1.69, 2.7), (16, 16, 1.98, 2.6),
+                                                  (4, 64, 2.0, 3.0)]))
+    assert table.step_time(1, 16) == pytest.approx(1.67)
+    assert table.step_time(4, 16) == pytest.approx(1.67 + 3 / 7 * 0.02)
+    assert table.step_time(32, 16) == pytest.approx(1.98 + 16 * 0.29 / 8)
+    assert table.step_time(2, 64) == pytest.approx(2.0)  # below the smallest: its own
+    assert table.step_time(8, 64) == pytest.approx(4.0)  # one batch measured: proportional
+    assert table.step_time(1, 32) is None
+
+
 def test_adaptive_budget_learns_online_without_a_table():
     policy = BudgetPolicy.create("auto", 7, 8, TARGET, cost_table=None)
     seen = []
