@@ -4,6 +4,7 @@ the queue bound and shutdown behave, and after the full warm-up no request compi
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 
@@ -266,6 +267,18 @@ def test_cancel_frees_the_slot_for_the_next_request(target, heads, overlap):
         assert engine.metrics()["live_slots"] == 0
     finally:
         engine.shutdown()
+
+
+def test_engine_decodes_with_fused_weights_made_once(target, heads):
+    """The chunk and admission programs take the decode layout as arguments (fused inside them, every
+    chunk concatenated the weights again); weights already fused are used as they are, not copied."""
+    engine = Engine(target, heads["jetspec"], slots=2, max_len=128, budget=8, width=3)
+    layer = engine.params["layers"][0]
+    assert "wqkv" in layer and "wq" not in layer
+    assert engine._chunk_call(8, 2)[1][0] is engine.params
+    fused = dataclasses.replace(target, params=engine.params)
+    again = Engine(fused, heads["jetspec"], slots=2, max_len=128, budget=8, width=3)
+    assert again.params["layers"][0]["wqkv"] is layer["wqkv"]
 
 
 def test_queue_is_bounded(target, heads):

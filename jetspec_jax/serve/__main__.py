@@ -164,6 +164,7 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
             import uvicorn
 
             from jetspec_jax.generate import encode_prompts
+            from jetspec_jax.models import qwen3
             from jetspec_jax.serve.engine import Engine
             from jetspec_jax.serve.http_server import GracefulServer, create_app
 
@@ -173,6 +174,7 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
             if target.tokenizer is None:
                 raise InputError(f"{target.source} has no tokenizer; the server needs one to read and write text")
             signals.check()
+            target.params = qwen3.fuse_for_decode(target.params)  # the engine's layout: one copy in memory
             engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len,
                             budget=args.budget, width=args.width, chunk_steps=args.chunk_steps,
                             max_queue=args.max_queue, cost_table=args.cost_table, min_batch=args.min_batch,
