@@ -5,8 +5,10 @@ tokens/s at each concurrency, for AR, fixed budgets and the adaptive budget, in 
         --out benchmarks/results/serve_load_h200.json
 
 Each variant is a server on 127.0.0.1 (the real app and engine, in this process, over HTTP) with the
-same slots (a variant `NAME/overlap` is NAME with the engine launching each chunk before it reads
-the last one); the clients run in a process of their own (in one process they
+same slots (suffixes, which combine, change the engine: `NAME/overlap`, the engine launching each chunk before it reads
+the last one; `NAME/steps=N`, N steps a chunk; `NAME/switch=MS`, the interpreter's thread switch
+interval, which bounds how long the engine's thread can wait for the lock the HTTP thread holds;
+see parse_variant); the clients run in a process of their own (in one process they
 would share the engine's interpreter lock, and their SSE parsing would count as the server's host
 time); each concurrency level keeps that many streamed chat requests in flight (closed loop) over
 MATH-500 and MT-Bench prompts taken in turn, at T=0, and times --requests-per-level x concurrency of them.
@@ -61,15 +63,18 @@ class LiveServer:
         from jetspec_jax.serve.engine import Engine
         from jetspec_jax.serve.http_server import create_app
 
-        name, _, mode = variant.partition("/")
-        if mode not in ("", "overlap"):
-            raise SystemExit(f"variant {variant!r}: the only suffix is /overlap")
+        options = parse_variant(variant)
+        name = options["name"]
         method = "ar" if name == "ar" else args.method
         budget = "auto" if name == "auto" else (int(name) if name != "ar" else 16)
+        self.switch_interval = sys.getswitchinterval()
+        if options["switch_ms"]:
+            sys.setswitchinterval(options["switch_ms"] / 1e3)
         self.engine = Engine(target, None if method == "ar" else head, method=method, slots=args.slots,
-                             max_len=args.max_len, budget=budget, width=args.width, chunk_steps=args.chunk_steps,
-                             max_queue=4 * args.slots, cost_table=args.cost_table, max_admit=args.max_admit,
-                             overlap=mode == "overlap").start(warm_up=True)
+                             max_len=args.max_len, budget=budget, width=args.width,
+                             chunk_steps=options["chunk_steps"] or args.chunk_steps, max_queue=4 * args.slots,
+                             cost_table=args.cost_table, max_admit=args.max_admit,
+                             overlap=options["overlap"]).start(warm_up=True)
         print(f"{variant}: warm-up compiles {self.engine.warm_up.describe()}", flush=True)
         self.engine.warm_up.wait(progress_bar=True)
         self.port = free_port()
@@ -86,6 +91,33 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(60)
         self.engine.shutdown(drain=False, timeout=10)
+        sys.setswitchinterval(self.switch_interval)
+
+
+def parse_variant(variant: str) -> dict:
+    """NAME[/overlap][/steps=N][/switch=MS]: NAME is ar, auto or a budget; `overlap` launches each chunk
+    before reading the last; `steps=N` runs N steps a chunk (default --chunk-steps); `switch=MS` sets
+    the interpreter's thread switch interval (sys.setswitchinterval; Python's default is 5 ms) while the
+    variant runs, since the engine's thread and the HTTP server's share the interpreter lock."""
+    name, *suffixes = variant.split("/")
+    if name not in ("ar", "auto") and not (name.isdigit() and int(name) >= 2):
+        raise SystemExit(f"variant {variant!r}: {name!r} is not ar, auto or a budget >= 2")
+    options = dict(name=name, overlap=False, chunk_steps=None, switch_ms=None)
+    for suffix in suffixes:
+        key, _, value = suffix.partition("=")
+        try:
+            if suffix == "overlap":
+                options["overlap"] = True
+            elif key == "steps" and int(value) >= 1:
+                options["chunk_steps"] = int(value)
+            elif key == "switch" and float(value) > 0:
+                options["switch_ms"] = float(value)
+            else:
+                raise ValueError(suffix)
+        except ValueError:
+            raise SystemExit(f"variant {variant!r}: {suffix!r} is not overlap, steps=N (N >= 1) or "
+                             "switch=MS (MS > 0)") from None
+    return options
 
 
 async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
@@ -177,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     cache.add_cache_flags(p)
     args = p.parse_args(argv)
+    for variant in args.variants:  # a bad one stops the run before the model loads
+        parse_variant(variant)
     cache.configure(args.cache_dir, enabled=not args.no_cache)
 
     target, head = target_and_head(args.model, args.head, args.method)
