@@ -5,10 +5,10 @@ tokens/s at each concurrency, for AR, fixed budgets and the adaptive budget, in 
         --out benchmarks/results/serve_load_h200.json
 
 Each variant is a server on 127.0.0.1 (the real app and engine, in this process, over HTTP) with the
-same slots (suffixes, which combine, change the engine: `NAME/overlap`, the engine launching each chunk before it reads
-the last one; `NAME/steps=N`, N steps a chunk; `NAME/switch=MS`, the interpreter's thread switch
-interval, which bounds how long the engine's thread can wait for the lock the HTTP thread holds;
-see parse_variant); the clients run in a process of their own (in one process they
+same slots (suffixes, which combine, change the engine: `NAME/overlap`, the engine launching each
+chunk before it reads the last one; `NAME/steps=N`, N steps a chunk; `NAME/switch=MS`, the
+interpreter's thread switch interval, which bounds how long the engine's thread can wait for the lock
+the HTTP thread holds; see parse_variant); the clients run in a process of their own (in one process they
 would share the engine's interpreter lock, and their SSE parsing would count as the server's host
 time); each concurrency level keeps that many streamed chat requests in flight (closed loop) over
 MATH-500 and MT-Bench prompts taken in turn, at T=0, and times --requests-per-level x concurrency of them.

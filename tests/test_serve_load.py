@@ -39,31 +39,35 @@ def tiny_model_head_and_data(tmp_path):
     return model, head_dir, data
 
 
+VARIED = "8/overlap/steps=1/switch=0.5"  # every suffix: chunks of one step, launched ahead, a 0.5 ms switch
+
+
 @pytest.mark.slow
 def test_serve_load_times_no_compilation(tmp_path):
     model, head_dir, data = tiny_model_head_and_data(tmp_path)
     out = tmp_path / "serve_load.json"
     command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
-               "--variants", "ar", "8", "8/overlap/steps=1/switch=0.5", "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "8",
-               "--slots", "2", "--max-len", "192", "--width", "3", "--chunk-steps", "2", "--no-cache", "--out", str(out)]
+               "--variants", "ar", "8", VARIED, "--concurrency", "1", "2", "--requests-per-level", "1",
+               "--max-tokens", "8", "--slots", "2", "--max-len", "192", "--width", "3", "--chunk-steps", "2",
+               "--no-cache", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["complete"] is True  # written after each variant; the last write marks the run whole
     assert [(r["variant"], r["concurrency"]) for r in result["rows"]] == [
-        (v, c) for v in ("ar", "8", "8/overlap/steps=1/switch=0.5") for c in (1, 2)]
+        (v, c) for v in ("ar", "8", VARIED) for c in (1, 2)]
     assert all(r["throughput_over_ar"] > 0 for r in result["rows"])
     for row in result["rows"]:
         assert row["compilations"] == 0 and row["compile_s"] == 0 and row["warning"] is None, row
         assert row["completion_tokens"] == 8 * row["requests"] and row["throughput"] > 0
         # the engine's side of the window: chunks ran, at the variant's budget, within the wall time
-        steps = 1 if "steps=1" in row["variant"] else 2  # that variant's chunks run one step
+        steps = 1 if row["variant"] == VARIED else 2
         # with overlap a chunk launched before the last was read runs no step if that one ended its slots
         overlap = "/overlap" in row["variant"]
         assert row["chunks"] > 0 and row["steps_per_chunk"] <= steps and row["ms_per_step"] > 0
         assert row["steps_per_chunk"] > 0 if overlap else row["steps_per_chunk"] >= 1
         assert 1 <= row["requests_per_admission"] <= 2 and 1 <= row["mean_live"] <= row["concurrency"]
-        if "/overlap" in row["variant"]:  # its admissions count in the chunk after them
+        if overlap:  # its admissions count in the chunk after them
             assert 0 < row["chunk_share"] <= 1 and row["prefill_share"] is None
         else:
             assert 0 < row["chunk_share"] + row["prefill_share"] <= 1
@@ -74,7 +78,7 @@ def test_serve_load_times_no_compilation(tmp_path):
         assert sum(c[3] for c in log) == pytest.approx(row["steps_per_chunk"] * row["chunks"])
         assert row["policy_estimates"] is None  # a fixed budget has no estimates
     # chunks of 1 and 2 rows, and admissions of 1 and of 2 prompts in buckets of 64, 128 and 192 columns
-    assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 8, "8": 8, "8/overlap/steps=1/switch=0.5": 8}
+    assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 8, "8": 8, VARIED: 8}
     assert all(w["seconds"] > 0 for w in result["warm_up"].values())
     assert "COMPILED IN TIMED WINDOW" not in done.stdout
 
