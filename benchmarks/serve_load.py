@@ -44,7 +44,7 @@ from common import (environment, math_and_chat_prompts, print_table, target_and_
                     write_json_atomic)
 
 from jetspec_jax import cache  # noqa: E402
-from jetspec_jax.serve.warmup import CompileWatch  # noqa: E402
+from jetspec_jax.compilation import CompileWatch  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 

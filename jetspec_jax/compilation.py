@@ -1,4 +1,5 @@
-"""Many programs compiled at once: lowering on the calling thread, XLA's compilations in a thread pool."""
+"""Many programs compiled at once (lowering on the calling thread, XLA's compilations in a thread pool),
+and `CompileWatch`, which counts what jax compiles and the time it takes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import concurrent.futures
 import threading
 import time
 from typing import Any, Callable, Iterable
+
+from jax import monitoring
 
 
 def compile_in_parallel(items: Iterable, lower: Callable[[Any], Any], compiled: Callable[[Any, Any, float], None],
@@ -48,3 +51,35 @@ def compile_in_parallel(items: Iterable, lower: Callable[[Any], Any], compiled: 
         for future in futures:
             future.result()
     return not stop()
+
+
+# jax's own events (jax/_src/dispatch.py): tracing, lowering to MLIR and XLA's compilation (or a load from the
+# persistent compilation cache) of one program.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileWatch:
+    """While open, counts the programs jax compiles in any thread (`programs`, with their `names`) and the
+    `seconds` it spends tracing, lowering and compiling them."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.programs, self.seconds, self.names = 0, 0.0, []
+
+    def __enter__(self) -> "CompileWatch":
+        monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        monitoring.unregister_event_duration_listener(self._listen)
+
+    def _listen(self, event: str, seconds: float, **kwargs) -> None:
+        if event not in (TRACE_EVENT, LOWER_EVENT, COMPILE_EVENT):
+            return
+        with self.lock:
+            self.seconds += seconds
+            if event == COMPILE_EVENT:
+                self.programs += 1
+                self.names.append(kwargs.get("fun_name", "?"))

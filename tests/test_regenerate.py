@@ -155,6 +155,7 @@ def test_greedy_answers_match_generate_and_long_prompts_get_their_bucket(embedde
     for b in buckets:  # a prompt's two answers share one prompt slot; the bucket's time split is recorded
         assert b["prompt_slots"] == 3 and b["slots"] == 3 and b["admissions"] >= 1 and b["chunks"] >= 1
         assert 0 < b["admission_seconds"] + b["chunk_seconds"] <= b["seconds"]
+        assert 0 <= b["compile_seconds"] <= b["admission_seconds"] + b["chunk_seconds"]  # compiled within them
     corpus = Corpus(out)
     records = all_records(corpus)
     assert manifest["num_completion_tokens"] == sum(len(r["completion_ids"]) for r in records)

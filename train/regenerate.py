@@ -197,6 +197,7 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
                                    "admissions": stats.admissions,
                                    "admission_seconds": round(stats.admission_seconds, 2),
                                    "chunks": stats.chunks, "chunk_seconds": round(stats.chunk_seconds, 2),
+                                   "compile_seconds": round(stats.compile_seconds, 2),
                                    "tokens_per_second": round(stats.completion_tokens / max(stats.seconds, 1e-9))})
     progress.close()
     writer.write_shard(pending, sources, seconds_before + time.perf_counter() - start)

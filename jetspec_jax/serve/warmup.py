@@ -1,5 +1,5 @@
 """The full warm-up: every program a serving engine can run (Engine.programs) compiled before it serves,
-so that no request waits for a compilation; and `CompileWatch`, which counts what jax compiles."""
+so that no request waits for a compilation."""
 
 from __future__ import annotations
 
@@ -9,42 +9,9 @@ import threading
 import time
 from typing import Callable
 
-from jax import monitoring
 from tqdm import tqdm
 
-from jetspec_jax.compilation import compile_in_parallel
-
-# jax's own events (jax/_src/dispatch.py): tracing, lowering to MLIR and XLA's compilation (or a load from the
-# persistent compilation cache) of one program.
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class CompileWatch:
-    """While open, counts the programs jax compiles in any thread (`programs`, with their `names`) and the
-    `seconds` it spends tracing, lowering and compiling them."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.programs, self.seconds, self.names = 0, 0.0, []
-
-    def __enter__(self) -> "CompileWatch":
-        monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        monitoring.unregister_event_duration_listener(self._listen)
-
-    def _listen(self, event: str, seconds: float, **kwargs) -> None:
-        if event not in (TRACE_EVENT, LOWER_EVENT, COMPILE_EVENT):
-            return
-        with self.lock:
-            self.seconds += seconds
-            if event == COMPILE_EVENT:
-                self.programs += 1
-                self.names.append(kwargs.get("fun_name", "?"))
-
+from jetspec_jax.compilation import CompileWatch, compile_in_parallel
 
 class WarmUp:
     """Compiles every program of an engine before it serves. Its device thread runs `run` first: the
