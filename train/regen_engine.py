@@ -25,7 +25,6 @@ import numpy as np
 from jax import lax
 
 from jetspec_jax.autoregressive import is_stop_token
-from jetspec_jax.compilation import CompileWatch
 from jetspec_jax.kernels.tree_attention import combine_partials, tree_attention_with_lse
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import qwen3
@@ -215,7 +214,6 @@ class BucketStats:
     seconds: float = 0.0
     admission_seconds: float = 0.0  # prefill calls, from launch to their first tokens on the host
     chunk_seconds: float = 0.0  # decode chunks, from launch to their tokens on the host; the rest is the host's
-    compile_seconds: float = 0.0  # of all the above, jax's tracing, lowering and compiling (first calls)
 
 
 def group_by_prompt(jobs: Sequence[Job], answers_per_prompt: int) -> list[list[Job]]:
@@ -260,74 +258,70 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
         stats.completion_tokens += len(tokens)
         on_answer(job, tokens, bool(tokens) and tokens[-1] in eos)
 
-    with CompileWatch() as compiles:  # a program's first call compiles within the admission or chunk time
-        while queue or live.any():
-            if time.perf_counter() > deadline:
-                break
-            while queue:
-                # Admit in full groups; a partial group only when nothing else would run.
-                free = np.flatnonzero(~live).tolist()
-                free_prompts = np.flatnonzero(readers == 0).tolist()
-                batch, needed = [], 0
-                for group in reversed(queue):
-                    if len(batch) == min(admit_prompts, len(free_prompts)) or needed + len(group) > len(free):
-                        break
-                    batch.append(group)
-                    needed += len(group)
-                if not batch or (len(batch) < min(admit_prompts, len(queue)) and live.any()):
+    while queue or live.any():
+        if time.perf_counter() > deadline:
+            break
+        while queue:
+            # Admit in full groups; a partial group only when nothing else would run.
+            free = np.flatnonzero(~live).tolist()
+            free_prompts = np.flatnonzero(readers == 0).tolist()
+            batch, needed = [], 0
+            for group in reversed(queue):
+                if len(batch) == min(admit_prompts, len(free_prompts)) or needed + len(group) > len(free):
                     break
-                del queue[len(queue) - len(batch):]
-                padded_prompts = np.full((admit_prompts,), prompt_slots, np.int32)  # past the end: dropped
-                padded_prompts[:len(batch)] = free_prompts[:len(batch)]
-                slots = np.full((admit_prompts, k), num_slots, np.int32)
-                tokens = np.full((admit_prompts, width), pad_token_id, np.int32)
-                lens = np.ones((admit_prompts,), np.int32)
-                key_ids = np.zeros((admit_prompts,), np.uint32)
-                fields = np.zeros((3, admit_prompts, k), np.float64)  # sample, temperature, limit
-                fields[2] = 1
-                taken = iter(free)
-                for r, group in enumerate(batch):
-                    ids = prompt_ids[group[0].prompt_index]
-                    tokens[r, :len(ids)] = ids
-                    lens[r], key_ids[r] = len(ids), group[0].key_id
-                    for c, job in enumerate(group):
-                        slots[r, c] = next(taken)
-                        fields[:, r, c] = (job.sample, job.temperature, job.limit)
-                launched = time.perf_counter()
-                state, first, done = admit(params, state, jnp.asarray(padded_prompts), jnp.asarray(tokens),
-                                           jnp.asarray(lens), jnp.asarray(slots), run_key, jnp.asarray(key_ids),
-                                           jnp.asarray(fields[0].astype(np.int32)),
-                                           jnp.asarray(fields[1], jnp.float32),
-                                           jnp.asarray(fields[2].astype(np.int32)), cfg=cfg,
-                                           eos_token_ids=eos_token_ids, top_p=top_p)
-                first, done = np.asarray(first), np.asarray(done)
-                stats.admissions += 1
-                stats.admission_seconds += time.perf_counter() - launched
-                for r, group in enumerate(batch):
-                    for c, job in enumerate(group):
-                        slot = int(slots[r, c])
-                        owner[slot], prompt_of[slot] = job, padded_prompts[r]
-                        answer[slot, 0], count[slot] = first[r, c], 1
-                        live[slot] = True
-                        readers[padded_prompts[r]] += 1
-                        if done[r, c]:
-                            finish(slot)
-            if not live.any():
-                continue
-            was_live = live.copy()
+                batch.append(group)
+                needed += len(group)
+            if not batch or (len(batch) < min(admit_prompts, len(queue)) and live.any()):
+                break
+            del queue[len(queue) - len(batch):]
+            padded_prompts = np.full((admit_prompts,), prompt_slots, np.int32)  # past the end: dropped
+            padded_prompts[:len(batch)] = free_prompts[:len(batch)]
+            slots = np.full((admit_prompts, k), num_slots, np.int32)
+            tokens = np.full((admit_prompts, width), pad_token_id, np.int32)
+            lens = np.ones((admit_prompts,), np.int32)
+            key_ids = np.zeros((admit_prompts,), np.uint32)
+            fields = np.zeros((3, admit_prompts, k), np.float64)  # sample, temperature, limit
+            fields[2] = 1
+            taken = iter(free)
+            for r, group in enumerate(batch):
+                ids = prompt_ids[group[0].prompt_index]
+                tokens[r, :len(ids)] = ids
+                lens[r], key_ids[r] = len(ids), group[0].key_id
+                for c, job in enumerate(group):
+                    slots[r, c] = next(taken)
+                    fields[:, r, c] = (job.sample, job.temperature, job.limit)
             launched = time.perf_counter()
-            state, out = decode_chunk(params, state, cfg=cfg, steps=chunk_steps, eos_token_ids=eos_token_ids,
-                                      pad_token_id=pad_token_id, top_p=top_p, attention=attention)
-            out, num, now_live = np.asarray(out), np.asarray(state.num), np.asarray(state.live)
-            stats.chunks += 1
-            stats.chunk_seconds += time.perf_counter() - launched
-            new = np.where(was_live, num - count, 0)
-            stats.decode_steps += int(new.max(initial=0))
-            slot, step = np.nonzero(np.arange(chunk_steps)[None, :] < new[:, None])  # vectorised: 1000s of slots
-            answer[slot, count[slot] + step] = out[slot, step]
-            count = np.where(was_live, num, count)
-            for s in np.flatnonzero(was_live & ~now_live):
-                finish(s)
+            state, first, done = admit(params, state, jnp.asarray(padded_prompts), jnp.asarray(tokens),
+                                       jnp.asarray(lens), jnp.asarray(slots), run_key, jnp.asarray(key_ids),
+                                       jnp.asarray(fields[0].astype(np.int32)), jnp.asarray(fields[1], jnp.float32),
+                                       jnp.asarray(fields[2].astype(np.int32)), cfg=cfg, eos_token_ids=eos_token_ids,
+                                       top_p=top_p)
+            first, done = np.asarray(first), np.asarray(done)
+            stats.admissions += 1
+            stats.admission_seconds += time.perf_counter() - launched
+            for r, group in enumerate(batch):
+                for c, job in enumerate(group):
+                    slot = int(slots[r, c])
+                    owner[slot], prompt_of[slot], answer[slot, 0], count[slot] = job, padded_prompts[r], first[r, c], 1
+                    live[slot] = True
+                    readers[padded_prompts[r]] += 1
+                    if done[r, c]:
+                        finish(slot)
+        if not live.any():
+            continue
+        was_live = live.copy()
+        launched = time.perf_counter()
+        state, out = decode_chunk(params, state, cfg=cfg, steps=chunk_steps, eos_token_ids=eos_token_ids,
+                                  pad_token_id=pad_token_id, top_p=top_p, attention=attention)
+        out, num, now_live = np.asarray(out), np.asarray(state.num), np.asarray(state.live)
+        stats.chunks += 1
+        stats.chunk_seconds += time.perf_counter() - launched
+        new = np.where(was_live, num - count, 0)
+        stats.decode_steps += int(new.max(initial=0))
+        slot, step = np.nonzero(np.arange(chunk_steps)[None, :] < new[:, None])  # vectorised: 1000s of slots
+        answer[slot, count[slot] + step] = out[slot, step]
+        count = np.where(was_live, num, count)
+        for s in np.flatnonzero(was_live & ~now_live):
+            finish(s)
     stats.seconds = time.perf_counter() - start
-    stats.compile_seconds = compiles.seconds
     return stats
