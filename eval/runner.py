@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from jetspec_jax.compilation import default_workers
 from jetspec_jax.generate import (PROMPT_BUCKET, GenerateCall, compile_ahead, encode_prompts, generate, pad_prompts,
                                   plan_cache_len, prepare_generate, stop_tokens)
 from jetspec_jax.models import draft_head
@@ -69,7 +70,7 @@ class EvalConfig:
     dtype: str | None = None
     matmul_precision: str | None = None  # None: "highest" for float32 (exactness checks), else jax's
     code_timeout: float = 10.0
-    compile_workers: int = min(8, os.cpu_count() or 1)  # programs compiled at once before the timed calls; 0: at first call
+    compile_workers: int = default_workers()  # programs compiled at once before the timed calls; 0: at first call
     progress: bool = True
 
     def __post_init__(self):

@@ -4,11 +4,17 @@ and `CompileWatch`, which counts what jax compiles and the time it takes."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 from typing import Any, Callable, Iterable
 
 from jax import monitoring
+
+
+def default_workers() -> int:
+    """Programs compiled at once: XLA compiles each on one core, and a lowered module holds memory."""
+    return min(8, os.cpu_count() or 1)
 
 
 def compile_in_parallel(items: Iterable, lower: Callable[[Any], Any], compiled: Callable[[Any, Any, float], None],

@@ -5,6 +5,7 @@ reference), long prompts in their own bucket, the corpus on disk, the time box a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gzip
 import json
@@ -155,7 +156,10 @@ def test_greedy_answers_match_generate_and_long_prompts_get_their_bucket(embedde
     for b in buckets:  # a prompt's two answers share one prompt slot; the bucket's time split is recorded
         assert b["prompt_slots"] == 3 and b["slots"] == 3 and b["admissions"] >= 1 and b["chunks"] >= 1
         assert 0 < b["admission_seconds"] + b["chunk_seconds"] <= b["seconds"]
-        assert 0 <= b["compile_seconds"] <= b["admission_seconds"] + b["chunk_seconds"]  # compiled within them
+        # the programs were compiled before the first bucket ran; what a bucket compiles is small eager work
+        assert 0 <= b["compile_seconds"] <= b["admission_seconds"] + b["chunk_seconds"]
+    session = manifest["sessions"][0]
+    assert session["compile_seconds"] > 0 and session["compile_workers"] >= 1
     corpus = Corpus(out)
     records = all_records(corpus)
     assert manifest["num_completion_tokens"] == sum(len(r["completion_ids"]) for r in records)
@@ -221,6 +225,52 @@ def test_slot_engine_through_the_attention_kernel_equals_xla(tiny_qwen3, answers
     assert sorted(want) == sorted((j.prompt_index, j.sample) for j in jobs)
     assert all(len(want[(j.prompt_index, j.sample)]) == j.limit for j in jobs)
     assert run("pallas_interpret") == want
+
+
+def test_buckets_compiled_ahead_run_without_compiling_and_give_the_same_answers(tiny_qwen3):
+    """compile_buckets' executables replace the jitted programs: run_bucket then compiles neither of them,
+    and every answer is the one the jitted programs give."""
+    import jax
+
+    from jetspec_jax.compilation import CompileWatch
+    from jetspec_jax.train.regen_engine import BucketPrograms, Job, StaticSettings, compile_buckets, run_bucket
+
+    target = tiny_qwen3[0]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, target.cfg.vocab_size, n).tolist() for n in (7, 20, 11, 3)]
+    jobs = [Job(i, s, 50 + i, t, 10 - s) for i in range(len(prompts)) for s, t in enumerate([0.0, 1.0])]
+    layouts = {32: dict(answer_rows=64, num_slots=4, prompt_slots=3, admit_prompts=2),
+               16: dict(answer_rows=64, num_slots=2, prompt_slots=2, admit_prompts=1)}
+    run_key = jax.random.key(3)
+
+    def run(width, bucket_programs):
+        answers = {}
+        run_bucket(target.params, target.cfg, [j for j in jobs if len(prompts[j.prompt_index]) <= width], prompts,
+                   width=width, answers_per_prompt=2, chunk_steps=3, run_key=run_key, eos_token_ids=(),
+                   pad_token_id=0, top_p=1.0, attention="xla", programs=bucket_programs,
+                   on_answer=lambda job, tokens, _: answers.__setitem__((job.prompt_index, job.sample), tokens),
+                   **layouts[width])
+        return answers
+
+    programs_named = {f"jit({name})" for name in BucketPrograms._fields}
+    want = {}
+    for width in layouts:  # jitted first: compiled ahead, the same programs would come from jax's caches
+        with CompileWatch() as jitted:
+            want[width] = run(width, None)
+        assert programs_named <= set(jitted.names)  # compiled at their first call
+    programs = compile_buckets(target.params, StaticSettings(target.cfg, 3, (), 0, 1.0, "xla"), run_key, layouts,
+                               workers=2, answers_per_prompt=2)
+    assert sorted(programs) == [16, 32]
+    for width in layouts:
+        calls = collections.Counter()
+
+        def counted(name, executable):
+            return lambda *args: (calls.update([name]), executable(*args))[1]
+
+        with CompileWatch() as ahead:
+            got = run(width, BucketPrograms(*(counted(n, f) for n, f in zip(BucketPrograms._fields, programs[width]))))
+        assert got == want[width] and len(got) == 2 * sum(len(p) <= width for p in prompts)
+        assert not programs_named & set(ahead.names) and set(calls) == set(BucketPrograms._fields)
 
 
 def test_finished_corpus_is_returned_untouched(embedded_target, greedy_and_sampled):

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from jetspec_jax.autoregressive import is_stop_token
+from jetspec_jax.compilation import compile_in_parallel
 from jetspec_jax.kernels.tree_attention import combine_partials, tree_attention_with_lse
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import qwen3
@@ -195,6 +196,65 @@ def decode_chunk(params, state: SlotState, *, cfg: qwen3.Config, steps: int, eos
     return state, out
 
 
+class BucketPrograms(NamedTuple):
+    """A bucket's two device programs, called as admit(params, state, ...) and decode_chunk(params, state)
+    with the run's static settings bound: jitted (compiled at the first call) or compiled ahead."""
+    admit: Callable
+    decode_chunk: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticSettings:
+    """What the programs are specialised on besides the shapes."""
+    cfg: qwen3.Config
+    chunk_steps: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    top_p: float
+    attention: str
+
+    def admit_kwargs(self) -> dict:
+        return dict(cfg=self.cfg, eos_token_ids=self.eos_token_ids, top_p=self.top_p)
+
+    def chunk_kwargs(self) -> dict:
+        return dict(cfg=self.cfg, steps=self.chunk_steps, eos_token_ids=self.eos_token_ids,
+                    pad_token_id=self.pad_token_id, top_p=self.top_p, attention=self.attention)
+
+    def jitted(self) -> BucketPrograms:
+        return BucketPrograms(functools.partial(admit, **self.admit_kwargs()),
+                              functools.partial(decode_chunk, **self.chunk_kwargs()))
+
+
+def lower_program(name: str, params, static: StaticSettings, run_key: jax.Array, *, width: int, answer_rows: int,
+                  num_slots: int, prompt_slots: int, answers_per_prompt: int, admit_prompts: int) -> jax.stages.Lowered:
+    """One of a bucket's programs (`name`: a BucketPrograms field) lowered for the arguments run_bucket
+    gives it."""
+    k, a = answers_per_prompt, admit_prompts
+    state = jax.eval_shape(lambda: new_slot_state(static.cfg, num_slots, answer_rows, prompt_slots,
+                                                  prompt_rows_for(width, k), k, params["embed"].dtype))
+    if name == "decode_chunk":
+        return decode_chunk.lower(params, state, **static.chunk_kwargs())
+    shape = jax.ShapeDtypeStruct
+    args = (shape((a,), jnp.int32), shape((a, width), jnp.int32), shape((a,), jnp.int32), shape((a, k), jnp.int32),
+            run_key, shape((a,), jnp.uint32), shape((a, k), jnp.int32), shape((a, k), jnp.float32),
+            shape((a, k), jnp.int32))
+    return admit.lower(params, state, *args, **static.admit_kwargs())
+
+
+def compile_buckets(params, static: StaticSettings, run_key: jax.Array, layouts: dict[int, dict], workers: int,
+                    answers_per_prompt: int) -> dict[int, BucketPrograms]:
+    """Every bucket's programs (layouts: prompt width -> run_bucket's slot layout) compiled before any
+    runs, `workers` at a time (compiled at their first calls, bucket after bucket, they took a quarter
+    of a whole-corpus run on an H200)."""
+    done: dict[tuple[int, str], Callable] = {}
+    compile_in_parallel(
+        [(width, name) for width in layouts for name in BucketPrograms._fields],
+        lambda item: lower_program(item[1], params, static, run_key, width=item[0],
+                                   answers_per_prompt=answers_per_prompt, **layouts[item[0]]),
+        lambda item, executable, seconds: done.__setitem__(item, executable), workers)
+    return {width: BucketPrograms(*(done[(width, name)] for name in BucketPrograms._fields)) for width in layouts}
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     prompt_index: int
@@ -231,11 +291,14 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
                width: int, answer_rows: int, num_slots: int, prompt_slots: int, answers_per_prompt: int,
                admit_prompts: int, chunk_steps: int, run_key: jax.Array, eos_token_ids: tuple[int, ...],
                pad_token_id: int, top_p: float, attention: str, on_answer: Callable[[Job, list[int], bool], None],
-               deadline: float = float("inf")) -> BucketStats:
+               deadline: float = float("inf"), programs: BucketPrograms | None = None) -> BucketStats:
     """Generates every job (prompts no longer than `width`) through `num_slots` answer slots of
     `answer_rows` rows and `prompt_slots` prompt slots, the jobs of one prompt (consecutive in `jobs`,
     up to `answers_per_prompt`) sharing one; calls on_answer(job, tokens, finished_by_eos) as each
-    answer ends. Stops early at `deadline` (time.perf_counter()), dropping the answers still decoding."""
+    answer ends. Stops early at `deadline` (time.perf_counter()), dropping the answers still decoding.
+    `programs`: this bucket's from compile_buckets (default: jitted, compiled at their first call)."""
+    if programs is None:
+        programs = StaticSettings(cfg, chunk_steps, tuple(eos_token_ids), pad_token_id, top_p, attention).jitted()
     stats = BucketStats()
     start = time.perf_counter()
     k = answers_per_prompt
@@ -291,11 +354,10 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
                     slots[r, c] = next(taken)
                     fields[:, r, c] = (job.sample, job.temperature, job.limit)
             launched = time.perf_counter()
-            state, first, done = admit(params, state, jnp.asarray(padded_prompts), jnp.asarray(tokens),
-                                       jnp.asarray(lens), jnp.asarray(slots), run_key, jnp.asarray(key_ids),
-                                       jnp.asarray(fields[0].astype(np.int32)), jnp.asarray(fields[1], jnp.float32),
-                                       jnp.asarray(fields[2].astype(np.int32)), cfg=cfg, eos_token_ids=eos_token_ids,
-                                       top_p=top_p)
+            state, first, done = programs.admit(
+                params, state, jnp.asarray(padded_prompts), jnp.asarray(tokens), jnp.asarray(lens),
+                jnp.asarray(slots), run_key, jnp.asarray(key_ids), jnp.asarray(fields[0].astype(np.int32)),
+                jnp.asarray(fields[1], jnp.float32), jnp.asarray(fields[2].astype(np.int32)))
             first, done = np.asarray(first), np.asarray(done)
             stats.admissions += 1
             stats.admission_seconds += time.perf_counter() - launched
@@ -311,8 +373,7 @@ def run_bucket(params, cfg: qwen3.Config, jobs: Sequence[Job], prompt_ids: Seque
             continue
         was_live = live.copy()
         launched = time.perf_counter()
-        state, out = decode_chunk(params, state, cfg=cfg, steps=chunk_steps, eos_token_ids=eos_token_ids,
-                                  pad_token_id=pad_token_id, top_p=top_p, attention=attention)
+        state, out = programs.decode_chunk(params, state)
         out, num, now_live = np.asarray(out), np.asarray(state.num), np.asarray(state.live)
         stats.chunks += 1
         stats.chunk_seconds += time.perf_counter() - launched

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import jax
 from tqdm import tqdm
 
-from jetspec_jax.compilation import CompileWatch
+from jetspec_jax.compilation import CompileWatch, default_workers
 from jetspec_jax.errors import InputError
 from jetspec_jax.fingerprint import target_fingerprint
 from jetspec_jax.generate import encode_prompts, pad_token, stop_tokens
@@ -24,7 +24,7 @@ from jetspec_jax.target import Target
 from .config import DEFAULT_DATA_DIR, DataConfig
 from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, read_prompt_ids, sha256_hex
 from .mixture import HELDOUT_FRACTION, load_prompts
-from .regen_engine import Job, answer_key_ids, prompt_rows_for, round_up_64, run_bucket
+from .regen_engine import Job, StaticSettings, answer_key_ids, compile_buckets, prompt_rows_for, round_up_64, run_bucket
 
 MIN_BUCKET = 128  # prompt widths are powers of two from here: a handful of compiled shapes
 ADMIT_TOKENS = 1 << 16  # prompt tokens per admission call, bounding its activations
@@ -183,15 +183,22 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
         progress.set_postfix(tok_s=f"{session['completion_tokens'] / max(elapsed, 1e-9):.0f}", refresh=False)
 
     share = answers_sharing_a_prompt(cfg)
-    for width, jobs in by_width.items():
-        if not jobs or time.perf_counter() > deadline:
-            continue
-        layout = slot_layout(width, max(job.limit for job in jobs), share, cfg, session["cache_rows"])
-        with CompileWatch() as compiles:  # a program's first call compiles within its admission or chunk time
-            stats = run_bucket(target.params, target.cfg, jobs, prompt_ids, width=width, answers_per_prompt=share,
-                               chunk_steps=cfg.regen_chunk_steps, run_key=run_key, eos_token_ids=eos,
-                               pad_token_id=pad, top_p=cfg.top_p, attention=attention, on_answer=on_answer,
-                               deadline=deadline, **layout)
+    layouts = {width: slot_layout(width, max(job.limit for job in jobs), share, cfg, session["cache_rows"])
+               for width, jobs in by_width.items() if jobs}
+    static = StaticSettings(target.cfg, cfg.regen_chunk_steps, tuple(eos), pad, cfg.top_p, attention)
+    compile_start = time.perf_counter()
+    programs = compile_buckets(target.params, static, run_key, layouts, default_workers(), share)
+    session["compile_seconds"] = round(time.perf_counter() - compile_start, 2)
+    session["compile_workers"] = default_workers()
+    for width, layout in layouts.items():
+        if time.perf_counter() > deadline:
+            break
+        # compile_seconds: what the bucket still compiled (small eager ops), its programs being ready
+        with CompileWatch() as compiles:
+            stats = run_bucket(target.params, target.cfg, by_width[width], prompt_ids, width=width,
+                               answers_per_prompt=share, chunk_steps=cfg.regen_chunk_steps, run_key=run_key,
+                               eos_token_ids=eos, pad_token_id=pad, top_p=cfg.top_p, attention=attention,
+                               on_answer=on_answer, deadline=deadline, programs=programs[width], **layout)
         session["buckets"].append({"prompt_width": width, "slots": layout["num_slots"],
                                    "prompt_slots": layout["prompt_slots"], "answer_rows": layout["answer_rows"],
                                    "admit_prompts": layout["admit_prompts"], "answers": stats.answers,

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jetspec_jax import sharding
+from jetspec_jax.compilation import compile_in_parallel, default_workers
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, save_head, verify_head_files
 from jetspec_jax.models import draft_head, qwen3
@@ -32,9 +34,9 @@ from jetspec_jax.models.params import init_params
 from jetspec_jax.provenance import write_json_atomic
 from jetspec_jax.target import Target
 
-from .config import LossConfig, OptimConfig, TrainConfig, check_data_parallel
+from .config import Bucket, LossConfig, OptimConfig, TrainConfig, check_data_parallel
 from .corpus import Corpus
-from .data import MODEL_INPUTS, batch_iterator, heldout_batches, training_stream
+from .data import MODEL_INPUTS, batch_iterator, heldout_batches, make_rows, training_stream
 from .loss import draft_loss, per_row_stats, pooled_stats
 
 
@@ -227,6 +229,8 @@ class Trainer:
             sharding.param_shardings(qwen3.param_specs(self.target.cfg), self.mesh))
         self.static = dict(loss_cfg=self.cfg.loss, head_cfg=self.head_cfg, target_cfg=self.target.cfg,
                            dtype=self.dtype)
+        # executables from compile_ahead: ("train", row length) and ("eval", head config, row length)
+        self.ahead: dict[tuple, Any] = {}
 
     def init_state(self, seed: int, params=None) -> dict[str, Any]:
         """Head parameters (random from `seed`, or `params`, e.g. warm_start_params') and a fresh optimizer
@@ -293,13 +297,58 @@ class Trainer:
                                                           np.asarray(local_batch[k]))
                 for k in MODEL_INPUTS}
 
+    def step_function(self) -> tuple[Callable, dict[str, Any]]:
+        """The jitted train step of this config and its static settings."""
+        if self.cfg.is_pair:
+            return train_step_heads, dict(optim=self.cfg.optim, loss_cfg=self.cfg.loss,
+                                          head_cfgs=tuple(self.heads.items()), target_cfg=self.target.cfg,
+                                          dtype=self.dtype)
+        return train_step, dict(optim=self.cfg.optim, **self.static)
+
     def train_step(self, state, batch):
         with jax.set_mesh(self.mesh):
-            if self.cfg.is_pair:
-                return train_step_heads(state, self.target_params, self.place_batch(batch), optim=self.cfg.optim,
-                                        loss_cfg=self.cfg.loss, head_cfgs=tuple(self.heads.items()),
-                                        target_cfg=self.target.cfg, dtype=self.dtype)
-            return train_step(state, self.target_params, self.place_batch(batch), optim=self.cfg.optim, **self.static)
+            placed = self.place_batch(batch)
+            compiled = self.ahead.get(("train", batch["tokens"].shape[1]))
+            if compiled is not None:
+                return compiled(state, self.target_params, placed)
+            step, static = self.step_function()
+            return step(state, self.target_params, placed, **static)
+
+    def abstract_batch(self, bucket: Bucket) -> dict[str, jax.ShapeDtypeStruct]:
+        """A whole batch of `bucket` as place_batch lays it out on the mesh."""
+        rows = make_rows([None] * bucket.rows, bucket, [None] * bucket.rows)
+        return {k: jax.ShapeDtypeStruct(rows[k].shape, rows[k].dtype,
+                                        sharding=sharding.batch_sharding(self.mesh, rows[k].ndim))
+                for k in MODEL_INPUTS}
+
+    def compile_ahead(self, state, buckets: list[Bucket], eval_lengths: set[int], workers: int) -> dict[str, Any]:
+        """Compiles the train step for every bucket and each head's held-out program for the `eval_lengths`
+        buckets, `workers` at a time, before the first step (at their first calls they compile one at a
+        time, inside the timed run). Returns the programs' count and the seconds it took."""
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        state_shape, (step, step_static) = abstract(state), self.step_function()
+        params_of = {name: state_shape["params"][name] if self.cfg.is_pair else state_shape["params"]
+                     for name in self.heads}
+        by_length = {b.length: b for b in buckets}
+        items = [("train", b.length) for b in buckets] + [
+            ("eval", name, length) for name in self.heads for length in sorted(eval_lengths)]
+
+        def lower(item):
+            batch = self.abstract_batch(by_length[item[-1]])
+            if item[0] == "train":
+                return step.lower(state_shape, self.target_params, batch, **step_static)
+            return eval_stats.lower(params_of[item[1]], self.target_params, batch,
+                                    **{**self.static, "head_cfg": self.heads[item[1]]})
+
+        done = {}
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            compile_in_parallel(items, lower, lambda item, executable, _: done.__setitem__(item, executable), workers)
+        for item, executable in done.items():
+            key = item if item[0] == "train" else ("eval", self.heads[item[1]], item[2])
+            self.ahead[key] = executable
+        return {"programs_compiled_ahead": len(done), "compile_seconds": time.perf_counter() - start}
 
     def evaluate(self, params, batches: list[dict]) -> dict[str, Any]:
         """Held-out loss, expected chain tau and per-depth acceptance, over all rows and per kind of prompt
@@ -319,7 +368,10 @@ class Trainer:
             for batch in batches:
                 per = len(batch["tokens"]) // count
                 local = {k: v[index * per:(index + 1) * per] for k, v in batch.items()}
-                stats = eval_stats(params, self.target_params, self.place_batch(local), **static)
+                program = self.ahead.get(("eval", head_cfg, batch["tokens"].shape[1]))
+                placed = self.place_batch(local)
+                stats = (program(params, self.target_params, placed) if program is not None
+                         else eval_stats(params, self.target_params, placed, **static))
                 stats = jax.device_get(stats) if count == 1 else multihost_utils.process_allgather(stats, tiled=True)
                 for k, v in stats.items():
                     rows[k].append(np.asarray(v))
@@ -537,8 +589,11 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
         counter.flush()
         return {"iterator": batches.get_state(), "tokens_seen": dict(counter.seen)}
 
+    ahead = trainer.compile_ahead(state, buckets, {b["tokens"].shape[1] for b in eval_batches}, default_workers())
+    print(f"compiled {ahead['programs_compiled_ahead']} programs in {ahead['compile_seconds']:.1f} s, "
+          f"{default_workers()} at a time", file=sys.stderr)
     bar = tqdm(total=cfg.optim.total_steps, initial=start, desc=cfg.run.name, dynamic_ncols=True)
-    t_start = t_last = time.perf_counter()
+    t_start = t_last = time.perf_counter()  # run.max_minutes and the rates count from here, all compiled
     last_eval, step = {}, start
     while step < cfg.optim.total_steps:
         step += 1
@@ -587,7 +642,8 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     summary = {"steps": step, "tokens_seen": counter.seen["real_tokens"],
                "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
                "devices": [d.device_kind for d in mesh.devices.flat],
-               "train_seconds_this_run": time.perf_counter() - t_start, **last_eval}
+               "train_seconds_this_run": time.perf_counter() - t_start,
+               "compile_seconds_this_run": round(ahead["compile_seconds"], 2), **last_eval}
     if warm_start:
         summary["warm_start"] = warm_start
     for name, alone in cfg.single_heads().items():

@@ -3,7 +3,6 @@ so that no request waits for a compilation."""
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -11,7 +10,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from jetspec_jax.compilation import CompileWatch, compile_in_parallel
+from jetspec_jax.compilation import CompileWatch, compile_in_parallel, default_workers
 
 class WarmUp:
     """Compiles every program of an engine before it serves. Its device thread runs `run` first: the
@@ -24,7 +23,7 @@ class WarmUp:
     def __init__(self, engine, workers: int | None = None):
         self.engine = engine
         self.programs = engine.programs()
-        self.workers = workers or min(8, os.cpu_count() or 1)
+        self.workers = workers or default_workers()
         self.done = 0  # programs compiled so far
         self.seconds = 0.0
         self.compiled_programs = 0  # what jax compiled in all (CompileWatch.programs), eager operations included
