@@ -121,7 +121,7 @@ def kernel_only(q, k, v, lengths, anc, kernel_impl, tuning):
 
 
 def load_baseline_kernel(path: str):
-    """An earlier version of kernels/tree_attention.py (a file saved with `git show`), timed as
+    """An earlier version of the tree attention kernel's file (saved with `git show`), timed as
     "pallas_baseline" with its own default tuning."""
     spec = importlib.util.spec_from_file_location("tree_attention_baseline", path)
     module = importlib.util.module_from_spec(spec)
@@ -327,7 +327,7 @@ def main():
     p.add_argument("--check-only", action="store_true", help="check the kernels against the reference, then stop")
     p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep: the kernel's default tuning")
     p.add_argument("--baseline-kernel", default=None,
-                   help="an earlier kernels/tree_attention.py (saved with git show) to time alongside")
+                   help="the tree attention kernel's file of an earlier commit (git show) to time alongside")
     args = p.parse_args()
     baseline = load_baseline_kernel(args.baseline_kernel) if args.baseline_kernel else None
     on_gpu = jax.default_backend() == "gpu"

@@ -1,5 +1,5 @@
 """Tree build: the reference builder (XLA, one pop loop of small kernels) against the Pallas kernel
-(kernels/tree_build.py), at the eval's budgets, depth 15 and width 7, batch 1 and 8.
+(jetspec_jax/kernels/tree_build.py), at the eval's budgets, depth 15 and width 7, batch 1 and 8.
 
     python benchmarks/tree_build_bench.py --out benchmarks/results/tree_build_h200.json
     python benchmarks/tree_build_bench.py --quick          # tiny, any backend (interpret mode)

@@ -53,7 +53,7 @@ def top_candidates(log_probs: jax.Array, width: int, chunk: int | None = TOP_K_C
     """log_probs (..., D, V) -> top-W tokens (..., D, W) int32 and their log-probs, best first, ties to
     the lower token id (as lax.top_k); a NaN counts as -inf.
 
-    "auto" takes the Pallas top-k (kernels/top_k.py) on GPU, a quarter of the XLA path's cost at
+    "auto" takes the Pallas top-k (jetspec_jax/kernels/top_k.py) on GPU, a quarter of the XLA path's cost at
     batch 8 and 32. The XLA path cuts a long vocabulary into `chunk`-entry rows, takes the top W of
     each, then the top W of those: XLA's GPU top-k gives each row one thread block, so 16 rows of 49k
     entries kept the H200 waiting 67 us a step, while thousands of short rows spread over every
@@ -220,7 +220,7 @@ def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps
     children). The `budget` best of candidates and offered children become the tree, ties to the
     lower index: a child never outscores its parent (log q <= 0, and it comes later), so the set is
     ancestor-closed, and it is what best-first growth one node at a time over the same pool gives.
-    `top_k_impl` is the offered children's top-k (kernels/top_k.py).
+    `top_k_impl` is the offered children's top-k (jetspec_jax/kernels/top_k.py).
     Returns a Tree padded to `budget`, nodes in score order (parents before children)."""
     c = tree.tokens.shape[-1]
     p = nodes.shape[-1]

@@ -522,7 +522,7 @@ def forward(
     attention_impl: "auto" (a Pallas kernel on GPU, picked per call by `tree_attention`; "xla"
     elsewhere), "xla" (dense mask over the cache), "cudnn" (the same dense mask through
     jax.nn.dot_product_attention's cuDNN path; GPU, bf16/fp16 only), "pallas" / "pallas_interpret"
-    (the tree attention kernel with a packed block mask; see kernels/tree_attention.py), or "mosaic" /
+    (the tree attention kernel with a packed block mask; see jetspec_jax/kernels/tree_attention.py), or "mosaic" /
     "mosaic_interpret" (Hopper's Mosaic GPU kernel where it takes the call, trees of 64k nodes, and
     the Triton one elsewhere), or "prefill" (the block attends causally to itself alone, for a
     cache that is empty before it: fused attention with no (T, S) mask, cuDNN's on GPU in bf16).
