@@ -411,7 +411,15 @@ def test_a_run_warm_started_from_an_exported_head_begins_at_its_weights(tiny_tar
     sha = json.loads((head_dir / CONFIG_FILE).read_text())["weights_sha256"]
     recorded = {"path": str(head_dir), "weights_sha256": sha, "layers": 1}
     rows = [json.loads(line) for line in (tmp_path / "b" / "tiny-cpu" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0] == {"step": 0, "warm_start": recorded} and summary["warm_start"] == recorded
+    # the first row says where the run began and gives the exported head's own held-out numbers
+    trainer = Trainer(cfg, tiny_target, one_device())
+    start_params = trainer.init_state(cfg.run.seed, trainer.warm_start_params()[0])["params"]
+    heldout = heldout_batches(corpus.answers("heldout"), cfg.buckets(), per_kind=cfg.run.eval_answers_per_kind,
+                              seed=cfg.run.seed)
+    assert heldout and rows[0]["eval_loss"] > 0
+    assert rows[0] == json.loads(json.dumps({"step": 0, "warm_start": recorded,
+                                             **trainer.evaluate(start_params, heldout)}))
+    assert summary["warm_start"] == recorded
     # a resumed run starts from its checkpoint, not from the head, and still says where it began
     resumed = train(tiny_config(tmp_path / "b", f"head.init_from={head_dir}", "run.max_steps=3"), tiny_target,
                     corpus, mesh=one_device())

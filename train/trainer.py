@@ -559,7 +559,7 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     trainer = Trainer(cfg, target, mesh)
     ckpt = Checkpoints(os.path.join(run_dir, "checkpoints"), cfg, target.cfg, corpus_fingerprint(corpus))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    data_state = None
+    data_state, starting_row = None, None
     start = ckpt.latest_step()
     if start is not None:
         state = trainer.init_state(cfg.run.seed)
@@ -574,8 +574,7 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
         write_json_atomic(os.path.join(run_dir, "config.json"), cfg.to_dict())
         with contextlib.suppress(FileNotFoundError):  # no checkpoint: an earlier attempt's rows are stale
             os.remove(metrics_path)
-        if warm_start:
-            append_jsonl(metrics_path, {"step": 0, "warm_start": warm_start})
+        starting_row = {"step": 0, "warm_start": warm_start} if warm_start else None
     write_json_atomic(os.path.join(run_dir, "data_plan.json"), {
         "corpus": corpus_fingerprint(corpus), "corpus_dir": os.path.abspath(corpus.out_dir),
         "buckets": [b._asdict() for b in buckets], **stream.plan,
@@ -592,6 +591,11 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     ahead = trainer.compile_ahead(state, buckets, {b["tokens"].shape[1] for b in eval_batches}, default_workers())
     print(f"compiled {ahead['programs_compiled_ahead']} programs in {ahead['compile_seconds']:.1f} s, "
           f"{default_workers()} at a time", file=sys.stderr)
+    if starting_row is not None:
+        # the warm start's own held-out numbers, so that the run's first evaluation has its baseline
+        if eval_batches:
+            starting_row.update(trainer.evaluate(state["params"], eval_batches))
+        append_jsonl(metrics_path, starting_row)
     bar = tqdm(total=cfg.optim.total_steps, initial=start, desc=cfg.run.name, dynamic_ncols=True)
     t_start = t_last = time.perf_counter()  # run.max_minutes and the rates count from here, all compiled
     last_eval, step = {}, start
