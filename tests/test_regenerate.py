@@ -1,7 +1,8 @@
 """Training prompts and regeneration: the mixture's sources and held-out slice, the slot engine's answers
 (greedy equal to `generate`, sampled ones numbered and reproducible whatever the batch, the same with a
 prompt's rows shared by its answers or copied for each, through the attention kernel or the
-reference), long prompts in their own bucket, the corpus on disk, the time box and resume."""
+reference, with programs compiled ahead or at first call), long prompts in their own bucket, the corpus
+on disk, the time box and resume."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Training: loss values, the bucketed and weighted data stream over a regenerated corpus, frozen target,
-a tiny run that learns, exact kill-and-resume, per-kind held-out metrics, sharding, config errors, and a
-pair of heads on one teacher that trains each exactly as it would train alone."""
+a tiny run that learns, exact kill-and-resume, per-kind held-out metrics, sharding, programs compiled ahead,
+config errors, and a pair of heads on one teacher that trains each exactly as it would train alone."""
 
 from __future__ import annotations
 
