@@ -581,42 +581,48 @@ def test_sharded_step_equals_single_device_step(tiny_target, corpus, tmp_path, h
     assert spec == jax.sharding.PartitionSpec(None, "model")  # the MLP really is split
 
 
-@pytest.mark.parametrize("heads", [[], PAIR[:1]], ids=["one-head", "pair"])
-def test_programs_compiled_ahead_are_the_ones_run_and_train_as_the_jitted_steps(tiny_target, corpus, tmp_path, heads):
+@pytest.mark.parametrize("heads,devices", [([], 1), (PAIR[:1], 8)], ids=["one-head-one-device", "pair-2x4-mesh"])
+def test_programs_compiled_ahead_are_the_ones_run_and_train_as_the_jitted_steps(tiny_target, corpus, tmp_path, heads,
+                                                                                 devices):
     """compile_ahead's executables (a train step per bucket, each head's held-out program per length) are
-    what the steps and the evaluation then call, on one device and on a (data, model) mesh, and give the
-    jitted programs' parameters and held-out numbers."""
+    what the steps and the evaluation then call, and give the jitted programs' parameters and held-out
+    numbers."""
     from jetspec_jax.compilation import CompileWatch
 
     cfg = tiny_config(tmp_path, *heads, "data.length_buckets=[64, 128]", "optim.tokens_per_batch=512")
     stream = training_stream(corpus.answers("train"), cfg.buckets(), mixture={}, seed=0).dataset
-    batches = [stream[i] for i in range(12)]
-    assert {b["tokens"].shape[1] for b in batches} == {64, 128}  # both buckets' programs are called
+    by_length = collections.defaultdict(list)  # two batches of each bucket
+    for i in range(64):
+        batch = stream[i]
+        if len(by_length[batch["tokens"].shape[1]]) < 2:
+            by_length[batch["tokens"].shape[1]].append(batch)
+    batches = [b for length in sorted(by_length) for b in by_length[length]]
+    assert sorted(by_length) == [64, 128] and len(batches) == 4  # both buckets' programs are called
     evals = heldout_batches(corpus.answers("heldout"), cfg.buckets(), per_kind=2, seed=0)
     eval_lengths = {b["tokens"].shape[1] for b in evals}
     jitted_names = {"jit(train_step)", "jit(train_step_heads)", "jit(eval_stats)"}
-    for mesh in (one_device(), sharding.make_mesh(2, jax.devices())):
-        results = []
-        for ahead in (False, True):
-            trainer = Trainer(cfg, tiny_target, mesh)
-            state = trainer.init_state(0)
-            calls = collections.Counter()
-            if ahead:
-                info = trainer.compile_ahead(state, cfg.buckets(), eval_lengths, workers=2)
-                assert info["programs_compiled_ahead"] == 2 + len(trainer.heads) * len(eval_lengths)
-                assert info["compile_seconds"] > 0
-                trainer.ahead = {key: (lambda *args, key=key, f=f: (calls.update([key]), f(*args))[1])
-                                 for key, f in trainer.ahead.items()}
-            with CompileWatch() as watch:
-                for batch in batches:
-                    state, _ = trainer.train_step(state, batch)
-                held_out = trainer.evaluate(state["params"], evals)
-            results.append((jax.tree.map(np.asarray, state["params"]), held_out))
-        assert set(calls) == set(trainer.ahead) and not jitted_names & set(watch.names)
-        (params_jit, eval_jit), (params_ahead, eval_ahead) = results
-        for a, b in zip(jax.tree.leaves(params_jit), jax.tree.leaves(params_ahead), strict=True):
-            np.testing.assert_array_equal(a, b)
-        assert eval_ahead == eval_jit
+    mesh = one_device() if devices == 1 else sharding.make_mesh(2, jax.devices())
+    results = []
+    for ahead in (False, True):
+        trainer = Trainer(cfg, tiny_target, mesh)
+        state = trainer.init_state(0)
+        calls = collections.Counter()
+        if ahead:
+            info = trainer.compile_ahead(state, cfg.buckets(), eval_lengths, workers=2)
+            assert info["programs_compiled_ahead"] == 2 + len(trainer.heads) * len(eval_lengths)
+            assert info["compile_seconds"] > 0
+            trainer.ahead = {key: (lambda *args, key=key, f=f: (calls.update([key]), f(*args))[1])
+                             for key, f in trainer.ahead.items()}
+        with CompileWatch() as watch:
+            for batch in batches:
+                state, _ = trainer.train_step(state, batch)
+            held_out = trainer.evaluate(state["params"], evals)
+        results.append((jax.tree.map(np.asarray, state["params"]), held_out))
+    assert set(calls) == set(trainer.ahead) and not jitted_names & set(watch.names)
+    (params_jit, eval_jit), (params_ahead, eval_ahead) = results
+    for a, b in zip(jax.tree.leaves(params_jit), jax.tree.leaves(params_ahead), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert eval_ahead == eval_jit
 
 
 # ---------------------------------------------------------------------------------------------
