@@ -59,6 +59,13 @@ def compile_in_parallel(items: Iterable, lower: Callable[[Any], Any], compiled: 
     return not stop()
 
 
+def compile_all(items: Iterable, lower: Callable[[Any], Any], workers: int) -> dict:
+    """compile_in_parallel, keeping every item's executable: {item: executable}."""
+    done = {}
+    compile_in_parallel(items, lower, lambda item, executable, _: done.__setitem__(item, executable), workers)
+    return done
+
+
 # jax's own events (jax/_src/dispatch.py): tracing, lowering to MLIR and XLA's compilation (or a load from the
 # persistent compilation cache) of one program.
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"

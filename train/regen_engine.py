@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from jetspec_jax.autoregressive import is_stop_token
-from jetspec_jax.compilation import compile_in_parallel
+from jetspec_jax.compilation import compile_all
 from jetspec_jax.kernels.tree_attention import combine_partials, tree_attention_with_lse
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import qwen3
@@ -246,12 +246,10 @@ def compile_buckets(params, static: StaticSettings, run_key: jax.Array, layouts:
     """Every bucket's programs (layouts: prompt width -> run_bucket's slot layout) compiled before any
     runs, `workers` at a time (compiled at their first calls, bucket after bucket, they took a quarter
     of a whole-corpus run on an H200)."""
-    done: dict[tuple[int, str], Callable] = {}
-    compile_in_parallel(
-        [(width, name) for width in layouts for name in BucketPrograms._fields],
-        lambda item: lower_program(item[1], params, static, run_key, width=item[0],
-                                   answers_per_prompt=answers_per_prompt, **layouts[item[0]]),
-        lambda item, executable, seconds: done.__setitem__(item, executable), workers)
+    done = compile_all([(width, name) for width in layouts for name in BucketPrograms._fields],
+                       lambda item: lower_program(item[1], params, static, run_key, width=item[0],
+                                                  answers_per_prompt=answers_per_prompt, **layouts[item[0]]),
+                       workers)
     return {width: BucketPrograms(*(done[(width, name)] for name in BucketPrograms._fields)) for width in layouts}
 
 

@@ -186,10 +186,9 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
     layouts = {width: slot_layout(width, max(job.limit for job in jobs), share, cfg, session["cache_rows"])
                for width, jobs in by_width.items() if jobs}
     static = StaticSettings(target.cfg, cfg.regen_chunk_steps, tuple(eos), pad, cfg.top_p, attention)
-    compile_start = time.perf_counter()
-    programs = compile_buckets(target.params, static, run_key, layouts, default_workers(), share)
-    session["compile_seconds"] = round(time.perf_counter() - compile_start, 2)
-    session["compile_workers"] = default_workers()
+    workers, compile_start = default_workers(), time.perf_counter()
+    programs = compile_buckets(target.params, static, run_key, layouts, workers, share)
+    session.update(compile_seconds=round(time.perf_counter() - compile_start, 2), compile_workers=workers)
     for width, layout in layouts.items():
         if time.perf_counter() > deadline:
             break

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jetspec_jax import sharding
-from jetspec_jax.compilation import compile_in_parallel, default_workers
+from jetspec_jax.compilation import compile_all, default_workers
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, save_head, verify_head_files
 from jetspec_jax.models import draft_head, qwen3
@@ -229,7 +229,7 @@ class Trainer:
             sharding.param_shardings(qwen3.param_specs(self.target.cfg), self.mesh))
         self.static = dict(loss_cfg=self.cfg.loss, head_cfg=self.head_cfg, target_cfg=self.target.cfg,
                            dtype=self.dtype)
-        # executables from compile_ahead: ("train", row length) and ("eval", head config, row length)
+        # executables from compile_ahead: ("train", row length) and ("eval", head name, row length)
         self.ahead: dict[tuple, Any] = {}
 
     def init_state(self, seed: int, params=None) -> dict[str, Any]:
@@ -341,13 +341,10 @@ class Trainer:
             return eval_stats.lower(params_of[item[1]], self.target_params, batch,
                                     **{**self.static, "head_cfg": self.heads[item[1]]})
 
-        done = {}
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            compile_in_parallel(items, lower, lambda item, executable, _: done.__setitem__(item, executable), workers)
-        for item, executable in done.items():
-            key = item if item[0] == "train" else ("eval", self.heads[item[1]], item[2])
-            self.ahead[key] = executable
+            done = compile_all(items, lower, workers)
+        self.ahead.update(done)
         return {"programs_compiled_ahead": len(done), "compile_seconds": time.perf_counter() - start}
 
     def evaluate(self, params, batches: list[dict]) -> dict[str, Any]:
@@ -355,20 +352,20 @@ class Trainer:
         (`eval_by_head`: these per head, for several heads). Every process holds every held-out batch and
         gives its own rows of each."""
         if self.cfg.is_pair:
-            return {"eval_by_head": {name: self.evaluate_head(params[name], batches, head_cfg)
-                                     for name, head_cfg in self.heads.items()}}
-        return self.evaluate_head(params, batches, self.head_cfg)
+            return {"eval_by_head": {name: self.evaluate_head(params[name], batches, name) for name in self.heads}}
+        return self.evaluate_head(params, batches, next(iter(self.heads)))
 
-    def evaluate_head(self, params, batches: list[dict], head_cfg: draft_head.DraftConfig) -> dict[str, Any]:
-        """`evaluate` for one head (the teacher computed anew for each: it is a small part of a rare step)."""
+    def evaluate_head(self, params, batches: list[dict], name: str) -> dict[str, Any]:
+        """`evaluate` for the head `name` (the teacher computed anew for each: it is a small part of a rare
+        step)."""
         rows, kinds = collections.defaultdict(list), []
         index, count = jax.process_index(), jax.process_count()
-        static = {**self.static, "head_cfg": head_cfg}
+        static = {**self.static, "head_cfg": self.heads[name]}
         with jax.set_mesh(self.mesh):
             for batch in batches:
                 per = len(batch["tokens"]) // count
                 local = {k: v[index * per:(index + 1) * per] for k, v in batch.items()}
-                program = self.ahead.get(("eval", head_cfg, batch["tokens"].shape[1]))
+                program = self.ahead.get(("eval", name, batch["tokens"].shape[1]))
                 placed = self.place_batch(local)
                 stats = (program(params, self.target_params, placed) if program is not None
                          else eval_stats(params, self.target_params, placed, **static))
@@ -588,9 +585,10 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
         counter.flush()
         return {"iterator": batches.get_state(), "tokens_seen": dict(counter.seen)}
 
-    ahead = trainer.compile_ahead(state, buckets, {b["tokens"].shape[1] for b in eval_batches}, default_workers())
+    workers = default_workers()
+    ahead = trainer.compile_ahead(state, buckets, {b["tokens"].shape[1] for b in eval_batches}, workers)
     print(f"compiled {ahead['programs_compiled_ahead']} programs in {ahead['compile_seconds']:.1f} s, "
-          f"{default_workers()} at a time", file=sys.stderr)
+          f"{workers} at a time", file=sys.stderr)
     if starting_row is not None:
         # the warm start's own held-out numbers, so that the run's first evaluation has its baseline
         if eval_batches:
