@@ -35,7 +35,7 @@ from common import environment, leading_true, print_table, write_json_atomic  # 
 
 from jetspec_jax.eval.datasets import BENCHMARKS, load_benchmark  # noqa: E402
 from jetspec_jax.generate import generate  # noqa: E402
-from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
+from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path, verify_head_files  # noqa: E402
 from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
 from jetspec_jax.models import draft_head  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
@@ -170,7 +170,8 @@ def main():
                              rank2_w_d2_5=float((cover[1:5, args.width - 1] - cover[1:5, 0]).mean())))
     payload = dict(benchmark="head_rank_coverage", prompts=f"{args.benchmark}[:{args.prompts}]",
                    max_new_tokens=args.max_new_tokens, width=args.width, dtype=str(jnp.dtype(dtype)),
-                   heads=head_dirs, rows=rows, per_depth=per_depth, environment=environment())
+                   heads=head_dirs, rows=rows, per_depth=per_depth,
+                   heads_sha256={d: verify_head_files(d).weights_digest() for d in head_dirs}, environment=environment())
     print_table(rows, ["head", "budget", "tree_temperature", "anchors", "tree_tau", "chain_tau", "off_argmax_share",
                        "top1_d1", "top1_d2_5", "topw_d2_5", "rank2_w_d2_5"])
     for name, depth in per_depth.items():
