@@ -369,6 +369,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tiny_target, corpus, t
     keys = (loss, "tokens_seen", "answer_tokens_seen")
     assert [[after[s][k] for k in keys] for s in (5, 6, 7)] == [[straight[s][k] for k in keys] for s in (5, 6, 7)]
     assert resumed[5][loss] == straight[5][loss]
+    # the resumed run's clock continues from the checkpoint's, as its token counts do
+    assert after[5]["train_seconds"] > resumed[4]["train_seconds"]
+    assert summary["train_seconds"] > after[5]["train_seconds"]
     # the rest of the schedule continues from a stop at max_steps
     rest = {}
     train(tiny_config(tmp_path / "a", *heads, "run.max_steps=9"), tiny_target, corpus, mesh=one_device(),

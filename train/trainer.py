@@ -579,11 +579,14 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
             kind for b in eval_batches for kind in b["kind"].tolist() if kind))})
     batches = batch_iterator(stream.dataset, data_state and data_state["iterator"])
     counter = TokenCounter(data_state and data_state["tokens_seen"])
+    # training time before this run (from the checkpoint), so a resumed run's metrics continue its clock
+    seconds_before = (data_state or {}).get("train_seconds", 0.0)
     rows_of = {b.length: b.rows for b in buckets}
 
     def data_state_now():
         counter.flush()
-        return {"iterator": batches.get_state(), "tokens_seen": dict(counter.seen)}
+        return {"iterator": batches.get_state(), "tokens_seen": dict(counter.seen),
+                "train_seconds": seconds_before + time.perf_counter() - t_start}
 
     workers = default_workers()
     ahead = trainer.compile_ahead(state, buckets, {b["tokens"].shape[1] for b in eval_batches}, workers)
@@ -615,7 +618,7 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
                    "padded_tokens_per_s": window["padded_tokens"] / seconds,
                    "pad_fraction": 1 - window["real_tokens"] / max(window["padded_tokens"], 1),
                    "tokens_seen": counter.seen["real_tokens"], "answer_tokens_seen": counter.seen["answer_tokens"],
-                   "train_seconds": now - t_start}
+                   "train_seconds": seconds_before + now - t_start}
             if eval_batches and (step % cfg.run.eval_every == 0 or last):
                 last_eval = trainer.evaluate(state["params"], eval_batches)
                 row.update(last_eval)
@@ -644,6 +647,7 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     summary = {"steps": step, "tokens_seen": counter.seen["real_tokens"],
                "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
                "devices": [d.device_kind for d in mesh.devices.flat],
+               "train_seconds": seconds_before + time.perf_counter() - t_start,
                "train_seconds_this_run": time.perf_counter() - t_start,
                "compile_seconds_this_run": round(ahead["compile_seconds"], 2), **last_eval}
     if warm_start:
