@@ -171,7 +171,8 @@ def main():
     payload = dict(benchmark="head_rank_coverage", prompts=f"{args.benchmark}[:{args.prompts}]",
                    max_new_tokens=args.max_new_tokens, width=args.width, dtype=str(jnp.dtype(dtype)),
                    heads=head_dirs, rows=rows, per_depth=per_depth,
-                   heads_sha256={d: verify_head_files(d).weights_digest() for d in head_dirs}, environment=environment())
+                   heads_sha256={d: verify_head_files(d).weights_digest() for d in head_dirs},
+                   environment=environment())
     print_table(rows, ["head", "budget", "tree_temperature", "anchors", "tree_tau", "chain_tau", "off_argmax_share",
                        "top1_d1", "top1_d2_5", "topw_d2_5", "rank2_w_d2_5"])
     for name, depth in per_depth.items():

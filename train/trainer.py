@@ -644,11 +644,11 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     ckpt.close()
     bar.close()
     counter.flush()
+    seconds_this_run = time.perf_counter() - t_start  # read once, so the two fields below agree
     summary = {"steps": step, "tokens_seen": counter.seen["real_tokens"],
                "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
                "devices": [d.device_kind for d in mesh.devices.flat],
-               "train_seconds": seconds_before + time.perf_counter() - t_start,
-               "train_seconds_this_run": time.perf_counter() - t_start,
+               "train_seconds": seconds_before + seconds_this_run, "train_seconds_this_run": seconds_this_run,
                "compile_seconds_this_run": round(ahead["compile_seconds"], 2), **last_eval}
     if warm_start:
         summary["warm_start"] = warm_start
