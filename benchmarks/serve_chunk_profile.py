@@ -97,6 +97,9 @@ def profile_offline_ar(target, prompts: list[list[int]], batch: int, args) -> di
 
     long, short = generation(args.new_tokens), generation(16)
     per_step = (seconds(long) - seconds(short)) / (args.new_tokens - 16)
+    if per_step <= 0:  # the difference drowned in timing noise: a step time from it would be made up
+        raise RuntimeError(f"offline AR at batch {batch}: {args.new_tokens} tokens took no longer than 16; "
+                           "raise --new-tokens so the difference outgrows timing noise")
     events, _ = gpu_kernel_events(long)
     row = summarise(f"offline_ar_batch{batch}", per_step * args.new_tokens, events, args.new_tokens, args.top)
     row.update(source="offline", batch=batch, budget=None)

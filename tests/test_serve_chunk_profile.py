@@ -1,4 +1,4 @@
-"""benchmarks/serve_chunk_profile.py end to end on the tiny model (a smoke run, not a measurement): the
+"""benchmarks/serve_chunk_profile.py end to end on the tiny model (a smoke run, not a measurement; 400 offline tokens so the step time outgrows the timing noise of a busy machine): the
 offline AR step and the engine's chunks at each batch and budget, every slot live through the run."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_serve_chunk_profile_times_each_configuration(tmp_path):
     out = tmp_path / "profile.json"
     command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
                "--batches", "1", "2", "--budgets", "8", "--width", "3", "--chunk-steps", "2", "--chunks", "2",
-               "--warmup-chunks", "1", "--new-tokens", "24", "--max-len", "512", "--no-cache", "--out", str(out)]
+               "--warmup-chunks", "1", "--new-tokens", "400", "--max-len", "1024", "--no-cache", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
