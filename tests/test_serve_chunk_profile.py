@@ -1,5 +1,6 @@
-"""benchmarks/serve_chunk_profile.py end to end on the tiny model (a smoke run, not a measurement; 400 offline tokens so the step time outgrows the timing noise of a busy machine): the
-offline AR step and the engine's chunks at each batch and budget, every slot live through the run."""
+"""benchmarks/serve_chunk_profile.py end to end on the tiny model (a smoke run, not a measurement): the
+offline AR step and the engine's chunks at each batch and budget, every slot live through the run. The
+offline run is 400 tokens long so its step time outgrows the timing noise of a busy machine."""
 
 from __future__ import annotations
 
