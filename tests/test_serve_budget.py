@@ -65,7 +65,7 @@ def test_observations_refine_the_table_instead_of_replacing_it(tmp_path):
     policy = BudgetPolicy.create("auto", 7, 8, TARGET, path)
     assert policy.choose(1) == 64
     policy.observe(64, 1, step_seconds=1e-3, tau=2.0)  # one unlucky chunk
-    assert policy.observed_tau[64] == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)  # the table counts as 4 chunks
+    assert policy.observed_tau[(1, 64)] == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)  # the table counts as 4 chunks
     assert policy.choose(1) == 64
     for _ in range(10):
         policy.observe(64, 1, step_seconds=1e-3, tau=2.0)  # B=64 keeps accepting less on this workload
@@ -86,8 +86,8 @@ def test_a_chunk_cut_short_counts_for_less(tmp_path):
     full, short = (BudgetPolicy.create("auto", 7, 8, TARGET, path) for _ in range(2))
     full.observe(64, 1, step_seconds=1e-3, tau=2.0, steps=8)
     short.observe(64, 1, step_seconds=1e-3, tau=2.0, steps=2)  # a request ended after 2 steps
-    assert full.observed_tau[64] == pytest.approx(2.8)
-    assert short.observed_tau[64] == pytest.approx(3.0 - 0.25 / 4.25)
+    assert full.observed_tau[(1, 64)] == pytest.approx(2.8)
+    assert short.observed_tau[(1, 64)] == pytest.approx(3.0 - 0.25 / 4.25)
 
 
 def test_estimates_show_what_a_choice_compares(tmp_path):
@@ -96,6 +96,24 @@ def test_estimates_show_what_a_choice_compares(tmp_path):
     assert policy.estimates(1) == {16: {"rate": 2.0, "step_ms": 1.0, "tau": 2.0, "chunks": 0},
                                    64: {"rate": pytest.approx(3.0 / 1.1), "step_ms": pytest.approx(1.1),
                                         "tau": pytest.approx(3.0), "chunks": 1}}
+
+
+def test_tau_learned_at_one_load_does_not_rank_budgets_at_another(tmp_path):
+    """Served on the H200, the 8 requests of concurrency 1 put B=128's tau at 4.09; shared across loads,
+    that made the policy run B=128 in 45 of 70 chunks at concurrency 8, where B=32 was 14% faster. Each
+    load keeps its own tau: the table's until that load's chunks say otherwise."""
+    table = [(b, bud, ms, tau) for b, rows in ((1, ((32, 1.51, 2.71), (128, 1.80, 3.08))),
+                                               (8, ((32, 1.81, 3.01), (128, 2.49, 3.44))))
+             for bud, ms, tau in rows]
+    policy = BudgetPolicy.create("auto", 7, 8, TARGET, cost_table(tmp_path, table))
+    for _ in range(40):
+        policy.observe(128, 1, step_seconds=1.8e-3, tau=4.1)  # easy prompts at one live request
+    assert policy.choose(1) == 128
+    assert policy.tau(8, 128) == pytest.approx((3.08 + 3.44) / 2)  # the table's, untouched
+    assert policy.choose(8) == 32
+    for _ in range(40):
+        policy.observe(128, 8, step_seconds=2.49e-3, tau=4.1)  # unless this load's own chunks find it
+    assert policy.choose(8) == 128
 
 
 @pytest.mark.parametrize("probing", [True, False])

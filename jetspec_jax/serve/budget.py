@@ -95,12 +95,12 @@ class BudgetPolicy:
     adaptive: bool
     table: CostTable
     observed_ms: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, budget)
-    observed_tau: dict[int, float] = dataclasses.field(default_factory=dict)
+    observed_tau: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, budget)
     tries: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (bucket, budget) -> chunks
     chunks: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> chunks chosen
     last_chosen: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # -> its chunk number
     ms_chunks: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # chunks behind each estimate
-    tau_chunks: dict[int, float] = dataclasses.field(default_factory=dict)
+    tau_chunks: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def create(budget: int | str, width: int, num_slots: int, target, cost_table: str | None,
@@ -119,13 +119,16 @@ class BudgetPolicy:
         ms = self.observed_ms.get((load_bucket(batch), budget))
         return self.table.step_time(batch, budget) if ms is None else ms
 
-    def tau(self, budget: int) -> float | None:
-        return self.observed_tau.get(budget, self.table.tau.get(budget))
+    def tau(self, batch: int, budget: int) -> float | None:
+        """The tau estimate at a step of `batch` rows: observed at its load, else the table's. Kept per
+        load, not shared: the requests live at one load (a quiet hour's few) would otherwise set the
+        ranking at another (a busy one's many), and a moving average takes ~20 chunks to forget them."""
+        return self.observed_tau.get((load_bucket(batch), budget), self.table.tau.get(budget))
 
     def expected_rate(self, live: int, budget: int, batch: int | None = None) -> float | None:
         """Expected committed tokens per millisecond with `live` sequences in a step of `batch` rows
         (default: live), or None if unknown."""
-        ms, tau = self.step_ms(batch or live, budget), self.tau(budget)
+        ms, tau = self.step_ms(batch or live, budget), self.tau(batch or live, budget)
         if ms is None or tau is None:
             return None
         return live * tau / ms
@@ -135,7 +138,7 @@ class BudgetPolicy:
         ms, tau, and the chunks observed at this load (0: the table's values as they are)."""
         bucket = load_bucket(batch or live)
         return {b: {"rate": self.expected_rate(live, b, batch), "step_ms": self.step_ms(batch or live, b),
-                    "tau": self.tau(b), "chunks": self.tries.get((bucket, b), 0)} for b in self.budgets}
+                    "tau": self.tau(batch or live, b), "chunks": self.tries.get((bucket, b), 0)} for b in self.budgets}
 
     def choose(self, live: int, batch: int | None = None) -> int:
         """The budget of the next chunk: untried ones first (online, no table), then the best expected
@@ -161,8 +164,8 @@ class BudgetPolicy:
 
     def observe(self, budget: int, batch: int, step_seconds: float, tau: float,
                 steps: int = REFERENCE_STEPS) -> None:
-        """A chunk of `steps` steps refines the estimates of its (load, budget) step time and its budget's
-        tau: a running mean that starts from the table's value worth TABLE_CHUNKS chunks (or from the
+        """A chunk of `steps` steps refines the estimates of its (load, budget) step time and tau: a
+        running mean that starts from the table's value worth TABLE_CHUNKS chunks (or from the
         first observation where the table has none) and becomes a moving average of weight
         OBSERVED_WEIGHT per chunk; the step time is first clipped to within OUTLIER_RATIO of the
         estimate."""
@@ -174,7 +177,7 @@ class BudgetPolicy:
         if prior_ms is not None:
             ms = min(max(ms, prior_ms / OUTLIER_RATIO), prior_ms * OUTLIER_RATIO)
         self.observed_ms[key] = self._refine(self.ms_chunks, key, prior_ms, ms, chunks)
-        self.observed_tau[budget] = self._refine(self.tau_chunks, budget, self.tau(budget), tau, chunks)
+        self.observed_tau[key] = self._refine(self.tau_chunks, key, self.tau(batch, budget), tau, chunks)
 
     @staticmethod
     def _refine(counts: dict, key, prior: float | None, value: float, chunks: float) -> float:
