@@ -102,9 +102,7 @@ def test_tau_learned_at_one_load_does_not_rank_budgets_at_another(tmp_path):
     """Served on the H200, the 8 requests of concurrency 1 put B=128's tau at 4.09; shared across loads,
     that made the policy run B=128 in 45 of 70 chunks at concurrency 8, where B=32 was 14% faster. Each
     load keeps its own tau: the table's until that load's chunks say otherwise."""
-    table = [(b, bud, ms, tau) for b, rows in ((1, ((32, 1.51, 2.71), (128, 1.80, 3.08))),
-                                               (8, ((32, 1.81, 3.01), (128, 2.49, 3.44))))
-             for bud, ms, tau in rows]
+    table = [(1, 32, 1.51, 2.71), (1, 128, 1.80, 3.08), (8, 32, 1.81, 3.01), (8, 128, 2.49, 3.44)]
     policy = BudgetPolicy.create("auto", 7, 8, TARGET, cost_table(tmp_path, table))
     for _ in range(40):
         policy.observe(128, 1, step_seconds=1.8e-3, tau=4.1)  # easy prompts at one live request
