@@ -100,6 +100,14 @@ def synthetic_corpus(out_dir: str, *, prompts: int, answers_per_prompt: int, max
     return Corpus(out_dir)
 
 
+def build_target(kind: str, cfg) -> Target:
+    """The config's target ("config") or SmolLM2-135M's shape with random weights ("random")."""
+    if kind == "random":
+        params = init_params(qwen3.param_specs(SMOLLM2_135M), jax.random.key(0), cfg.run.compute_dtype)
+        return Target(SMOLLM2_135M, params, None, "SmolLM2-135M-shaped, random weights")
+    return load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
+
+
 def peak_memory_gib() -> float | None:
     stats = jax.devices()[0].memory_stats() or {}
     return round(stats["peak_bytes_in_use"] / 2**30, 2) if "peak_bytes_in_use" in stats else None
@@ -182,11 +190,7 @@ def main():
     if args.pair and cfg.is_pair:
         p.error(f"--pair times a one-head config beside its pair; {args.config} already trains "
                 f"{', '.join(cfg.single_heads())}")
-    if args.target == "random":
-        params = init_params(qwen3.param_specs(SMOLLM2_135M), jax.random.key(0), cfg.run.compute_dtype)
-        target = Target(SMOLLM2_135M, params, None, "SmolLM2-135M-shaped, random weights")
-    else:
-        target = load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
+    target = build_target(args.target, cfg)
     mesh = sharding.make_mesh(cfg.run.mesh_model)
     with tempfile.TemporaryDirectory() as tmp:
         if args.corpus:

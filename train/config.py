@@ -123,6 +123,9 @@ class RunConfig:
     export_head: str | list = ""
     max_minutes: float = 0.0  # > 0: stop cleanly (checkpoint + export) after this much training time
     max_steps: int = 0  # > 0: stop cleanly at this step, the schedule still planned over total_steps
+    # the heads' context attention in training: "auto" (the prefix-attention kernels on GPU, XLA's dense
+    # scores over anchor chunks elsewhere), "xla", "pallas"; the same arithmetic, so not in the fingerprint
+    attention: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +218,7 @@ LIMITS = {
     "run.checkpoint_every": _at_least(1), "run.keep_checkpoints": _at_least(1), "run.eval_every": _at_least(1),
     "run.eval_answers_per_kind": _at_least(0), "run.log_every": _at_least(1), "run.mesh_model": _at_least(1),
     "run.max_minutes": _at_least(0), "run.max_steps": _at_least(0),
+    "run.attention": _one_of("auto", "xla", "pallas"),
 }
 
 

@@ -36,9 +36,10 @@ def draft_loss(student_logits: jax.Array, teacher_logits: jax.Array, labels: jax
                kind: str = "fkl", temperature: float = 1.0, gamma: float = 0.0) -> jax.Array:
     """Weighted mean over valid positions. Logits (..., D, V), labels/valid (..., D), depth on axis -1
     of labels: L = sum_m w_m L_m / sum_m w_m over non-anchor, non-padding positions."""
-    losses = per_position_loss(student_logits, teacher_logits, labels, kind, temperature)
-    weights = depth_weights(labels.shape[-1], gamma) * valid.astype(jnp.float32)
-    return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), 1e-9)
+    with jax.named_scope("loss"):
+        losses = per_position_loss(student_logits, teacher_logits, labels, kind, temperature)
+        weights = depth_weights(labels.shape[-1], gamma) * valid.astype(jnp.float32)
+        return jnp.sum(weights * losses) / jnp.maximum(jnp.sum(weights), 1e-9)
 
 
 def acceptance_stats(student_logits: jax.Array, teacher_logits: jax.Array, valid: jax.Array):

@@ -80,35 +80,41 @@ def teacher_targets(target_params, batch, *, head_cfg, target_cfg: qwen3.Config)
     the heads read. The heads of a run share block size and taps, so one computation serves them all."""
     labels, valid, teacher_pos = block_targets(batch["tokens"], batch["length"], batch["anchors"],
                                                batch["anchor_valid"], head_cfg.max_depth)
-    teacher_logits, taps = teacher(target_params, target_cfg, batch["tokens"], teacher_pos, head_cfg.tap_layers)
+    with jax.named_scope("teacher"):
+        teacher_logits, taps = teacher(target_params, target_cfg, batch["tokens"], teacher_pos, head_cfg.tap_layers)
     return labels, valid, teacher_logits, taps
 
 
-def student_loss(head_params, target_params, batch, targets, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
+def student_loss(head_params, target_params, batch, targets, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype,
+                 attention: str = "auto"):
     """One head's loss against `teacher_targets`: (loss, (student logits, teacher logits, labels, valid, tree
     logits)). A causal head with loss.tree_causal_weight > 0 also learns the tree-causal pass along the data
-    (its logits have the block's layout and targets); for other heads the tree logits are None."""
+    (its logits have the block's layout and targets); for other heads the tree logits are None. `attention`:
+    the heads' context attention (draft_head.training_attention)."""
     labels, valid, teacher_logits, taps = targets
     compute_params = jax.tree.map(lambda p: p.astype(dtype), head_params)
-    student = draft_head.training_logits(compute_params, target_params, target_cfg, batch["tokens"], taps,
-                                         batch["anchors"], head_cfg)
     loss_of = functools.partial(draft_loss, teacher_logits=teacher_logits, labels=labels, valid=valid,
                                 kind=loss_cfg.kind, temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
-    loss, tree = loss_of(student), None
+    with jax.named_scope("block_pass"):
+        student = draft_head.training_logits(compute_params, target_params, target_cfg, batch["tokens"], taps,
+                                             batch["anchors"], head_cfg, attention_impl=attention)
+        loss, tree = loss_of(student), None
     tree_weight = loss_cfg.for_attention(head_cfg.attention).tree_causal_weight
     if tree_weight:
-        tree = draft_head.training_tree_logits(compute_params, target_params, target_cfg, batch["tokens"], taps,
-                                               batch["anchors"], head_cfg)
-        loss = loss + tree_weight * loss_of(tree)
+        with jax.named_scope("tree_pass"):
+            tree = draft_head.training_tree_logits(compute_params, target_params, target_cfg, batch["tokens"],
+                                                   taps, batch["anchors"], head_cfg, attention_impl=attention)
+            loss = loss + tree_weight * loss_of(tree)
     return loss, (student, teacher_logits, labels, valid, tree)
 
 
-def forward_and_loss(head_params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
+def forward_and_loss(head_params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype,
+                     attention: str = "auto"):
     """Returns `student_loss`'s (loss, aux) with the teacher computed here. Gradients flow to head_params only."""
     target_params = jax.lax.stop_gradient(target_params)  # the shared embedding / LM head stay frozen
     targets = teacher_targets(target_params, batch, head_cfg=head_cfg, target_cfg=target_cfg)
     return student_loss(head_params, target_params, batch, targets, loss_cfg=loss_cfg, head_cfg=head_cfg,
-                        target_cfg=target_cfg, dtype=dtype)
+                        target_cfg=target_cfg, dtype=dtype, attention=attention)
 
 
 def batch_token_counts(batch) -> dict[str, jax.Array]:
@@ -118,30 +124,32 @@ def batch_token_counts(batch) -> dict[str, jax.Array]:
 
 def apply_gradients(params, opt_state, grads, optim: OptimConfig):
     """One head's AdamW update (its own clipping): (new params, new optimizer state)."""
-    updates, opt_state = make_optimizer(optim).update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    with jax.named_scope("optimizer"):
+        updates, opt_state = make_optimizer(optim).update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
 
 # Jitted once per process for each set of static settings (hashable configs), so trainers built for
 # the same config (a resumed run, a benchmark's layouts) reuse the compiled programs.
-STATIC = ("optim", "loss_cfg", "head_cfg", "target_cfg", "dtype")
+STATIC = ("optim", "loss_cfg", "head_cfg", "target_cfg", "dtype", "attention")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=0)
 def train_step(state, target_params, batch, *, optim: OptimConfig, loss_cfg: LossConfig, head_cfg, target_cfg,
-               dtype):
+               dtype, attention: str = "auto"):
     loss_fn = functools.partial(forward_and_loss, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg,
-                                dtype=dtype)
+                                dtype=dtype, attention=attention)
     (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
     params, opt_state = apply_gradients(state["params"], state["opt_state"], grads, optim)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **batch_token_counts(batch)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("optim", "loss_cfg", "head_cfgs", "target_cfg", "dtype"),
+@functools.partial(jax.jit, static_argnames=("optim", "loss_cfg", "head_cfgs", "target_cfg", "dtype", "attention"),
                    donate_argnums=0)
 def train_step_heads(state, target_params, batch, *, optim: OptimConfig, loss_cfg: LossConfig,
-                     head_cfgs: tuple[tuple[str, draft_head.DraftConfig], ...], target_cfg, dtype):
+                     head_cfgs: tuple[tuple[str, draft_head.DraftConfig], ...], target_cfg, dtype,
+                     attention: str = "auto"):
     """train_step for several heads on one batch (state's params and opt_state keyed by head name, as
     head_cfgs): the teacher once, then each head's loss, gradients and AdamW update with its own clipping,
     the same arithmetic as train_step gives that head alone."""
@@ -155,9 +163,10 @@ def train_step_heads(state, target_params, batch, *, optim: OptimConfig, loss_cf
         if previous is not None:
             head_params, _ = jax.lax.optimization_barrier((head_params, previous))
         loss_fn = functools.partial(student_loss, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg,
-                                    dtype=dtype)
-        (losses[name], _), grads = jax.value_and_grad(loss_fn, has_aux=True)(head_params, target_params, batch,
-                                                                             targets)
+                                    dtype=dtype, attention=attention)
+        with jax.named_scope(name):
+            (losses[name], _), grads = jax.value_and_grad(loss_fn, has_aux=True)(head_params, target_params,
+                                                                                 batch, targets)
         params[name], opt_state[name] = apply_gradients(state["params"][name], state["opt_state"][name], grads,
                                                         optim)
         grad_norms[name], previous = optax.tree.norm(grads), grads
@@ -166,10 +175,12 @@ def train_step_heads(state, target_params, batch, *, optim: OptimConfig, loss_cf
 
 
 @functools.partial(jax.jit, static_argnames=STATIC[1:])
-def eval_stats(params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype):
+def eval_stats(params, target_params, batch, *, loss_cfg: LossConfig, head_cfg, target_cfg, dtype,
+               attention: str = "auto"):
     """`per_row_stats` of the head's block pass, and of its tree-causal pass under "tree_" keys when it learns one."""
     _, (student, teacher_logits, labels, valid, tree) = forward_and_loss(
-        params, target_params, batch, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg, dtype=dtype)
+        params, target_params, batch, loss_cfg=loss_cfg, head_cfg=head_cfg, target_cfg=target_cfg, dtype=dtype,
+        attention=attention)
     stats_of = functools.partial(per_row_stats, teacher_logits=teacher_logits, labels=labels, valid=valid,
                                  kind=loss_cfg.kind, temperature=loss_cfg.temperature, gamma=loss_cfg.gamma)
     stats = stats_of(student)
@@ -228,7 +239,7 @@ class Trainer:
             jax.tree.map(lambda p: p.astype(self.dtype), self.target.params),
             sharding.param_shardings(qwen3.param_specs(self.target.cfg), self.mesh))
         self.static = dict(loss_cfg=self.cfg.loss, head_cfg=self.head_cfg, target_cfg=self.target.cfg,
-                           dtype=self.dtype)
+                           dtype=self.dtype, attention=self.cfg.run.attention)
         # executables from compile_ahead: ("train", row length) and ("eval", head name, row length)
         self.ahead: dict[tuple, Any] = {}
 
@@ -302,7 +313,7 @@ class Trainer:
         if self.cfg.is_pair:
             return train_step_heads, dict(optim=self.cfg.optim, loss_cfg=self.cfg.loss,
                                           head_cfgs=tuple(self.heads.items()), target_cfg=self.target.cfg,
-                                          dtype=self.dtype)
+                                          dtype=self.dtype, attention=self.cfg.run.attention)
         return train_step, dict(optim=self.cfg.optim, **self.static)
 
     def train_step(self, state, batch):

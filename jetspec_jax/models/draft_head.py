@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.kernels.prefix_attention import prefix_attention, prefix_attention_supported
 from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
 from jetspec_jax.kv_cache import write_block
 from jetspec_jax.models import qwen3
@@ -286,7 +287,8 @@ def block_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, blo
 def slot_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
                 hidden: jax.Array, cfg: DraftConfig) -> jax.Array:
     """Final norm and the target's LM head on block slots' hidden states: fp32 logits (..., V)."""
-    return qwen3.lm_logits(target_params, qwen3.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps), target_cfg)
+    with jax.named_scope("lm_head"):
+        return qwen3.lm_logits(target_params, qwen3.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps), target_cfg)
 
 
 def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
@@ -383,9 +385,41 @@ def anchored_block_attention_chunked(q, k, v, ctx_k, ctx_v, anchors, block_mask,
     return out.reshape(out.shape[0], chunks * anchors_per_chunk, *out.shape[3:])[:, :nk]
 
 
+def anchored_block_attention_prefix(q, k, v, ctx_k, ctx_v, anchors, block_mask, implementation: str):
+    """`anchored_block_attention` with the context part through `prefix_attention` (a block's slots see the
+    keys before its anchor: limits = the anchor, flash-attention kernels on GPU, no score in memory) and
+    the block's own slots scored here; the two merged by their log-sum-exps."""
+    b, nk, blk, h, hd = q.shape
+    hkv = k.shape[3]
+    limits = jnp.broadcast_to(anchors[:, :, None], (b, nk, blk)).reshape(b, nk * blk)
+    ctx_out, ctx_lse = prefix_attention(q.reshape(b, nk * blk, h, hd), ctx_k, ctx_v, limits,
+                                        implementation=implementation)
+    qg = q.reshape(b, nk, blk, hkv, h // hkv, hd)
+    own = jnp.einsum("bnqkgd,bnskd->bnkgqs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    own = jnp.where(block_mask, own, -jnp.inf)  # every slot sees itself: a finite log-sum-exp
+    own_lse = jax.nn.logsumexp(own, axis=-1)  # (B, K, Hkv, G, blk)
+    own_out = jnp.einsum("bnkgqs,bnskd->bnqkgd", jax.nn.softmax(own, axis=-1).astype(v.dtype), v,
+                         preferred_element_type=jnp.float32).reshape(b, nk, blk, h, hd)
+    own_lse = jnp.moveaxis(own_lse, -1, 2).reshape(b, nk, blk, h)
+    ctx_lse = ctx_lse.reshape(b, nk, blk, h)
+    peak = jax.lax.stop_gradient(jnp.maximum(ctx_lse, own_lse))
+    ctx_w, own_w = jnp.exp(ctx_lse - peak), jnp.exp(own_lse - peak)  # a context of nothing weighs 0
+    out = (ctx_w[..., None] * ctx_out.reshape(b, nk, blk, h, hd).astype(jnp.float32)
+           + own_w[..., None] * own_out) / (ctx_w + own_w)[..., None]
+    return out.astype(q.dtype)
+
+
+def training_attention(attention_impl: str, head_dim: int) -> str:
+    """The training pass's context attention: "xla" (dense scores over anchor chunks) or a prefix_attention
+    implementation; "auto" takes the kernels where they run (GPU, a power-of-two head dim)."""
+    if attention_impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and prefix_attention_supported(head_dim) else "xla"
+    return attention_impl
+
+
 def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
                     tokens: jax.Array, taps: jax.Array, anchors: jax.Array, cfg: DraftConfig, *,
-                    anchors_per_chunk: int | None = None) -> jax.Array:
+                    anchors_per_chunk: int | None = None, attention_impl: str = "auto") -> jax.Array:
     """The inference computation for K blocks per sequence at once (training and held-out eval).
 
     tokens (B, S), taps (B, S, n_taps, D_target) of the target on the same sequence, anchors (B, K).
@@ -399,13 +433,13 @@ def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any],
     anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)  # (B, K)
     x = jax.vmap(lambda a: block_embeddings(params, target_params, a, cfg), in_axes=1, out_axes=1)(anchor_tokens)
     hidden = anchored_blocks_hidden(params, x, jnp.arange(blk, dtype=jnp.int32), jnp.asarray(cfg.block_mask()),
-                                    taps, anchors, cfg, anchors_per_chunk)
+                                    taps, anchors, cfg, anchors_per_chunk, attention_impl)
     return slot_logits(params, target_params, target_cfg, hidden[:, :, 1:], cfg)
 
 
 def training_tree_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
                          tokens: jax.Array, taps: jax.Array, anchors: jax.Array, cfg: DraftConfig, *,
-                         anchors_per_chunk: int | None = None) -> jax.Array:
+                         anchors_per_chunk: int | None = None, attention_impl: str = "auto") -> jax.Array:
     """The tree-causal pass (`tree_logits`) teacher-forced along the data, K anchors per sequence at once.
 
     Block k is the chain tokens[a_k .. a_k+D-1] (D = block-1) as a tree: a node slot per token and a
@@ -422,13 +456,14 @@ def training_tree_logits(params: Mapping[str, Any], target_params: Mapping[str, 
     node_tokens = jnp.take_along_axis(tokens, positions.reshape(tokens.shape[0], -1), axis=1).reshape(positions.shape)
     slot_tokens = jnp.concatenate([node_tokens, jnp.zeros_like(node_tokens)], axis=-1)
     x = slot_embeddings(params, target_params, slot_tokens, jnp.broadcast_to(block.is_query, slot_tokens.shape), cfg)
-    hidden = anchored_blocks_hidden(params, x, block.depths, block.mask, taps, anchors, cfg, anchors_per_chunk)
+    hidden = anchored_blocks_hidden(params, x, block.depths, block.mask, taps, anchors, cfg, anchors_per_chunk,
+                                    attention_impl)
     return slot_logits(params, target_params, target_cfg, hidden[:, :, depth:], cfg)
 
 
 def anchored_blocks_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, block_mask: jax.Array,
                            taps: jax.Array, anchors: jax.Array, cfg: DraftConfig,
-                           anchors_per_chunk: int | None = None) -> jax.Array:
+                           anchors_per_chunk: int | None = None, attention_impl: str = "auto") -> jax.Array:
     """The head's layers over K blocks per sequence at once: x (B, K, T, D) embedded slots, block j's slot
     i at position anchors[j] + depths[i], seeing the context of positions < anchors[j] (the fused taps
     of the whole sequence) and the slots of its own block that block_mask (T, T) allows. -> (B, K, T, D)."""
@@ -436,19 +471,27 @@ def anchored_blocks_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.
     s = taps.shape[1]
     layer_cfg = cfg.layer_config()
     inv_freq = qwen3.rope_inverse_frequencies(layer_cfg)
-    fused = fuse_taps(params, taps, cfg)
+    with jax.named_scope("fuse_taps"):
+        fused = fuse_taps(params, taps, cfg)
     ctx_cos, ctx_sin = qwen3.rope_tables(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), inv_freq)
     x = x.reshape(b, k * blk, -1)
     positions = (anchors[:, :, None] + depths).reshape(b, k * blk)
     cos, sin = qwen3.rope_tables(positions, inv_freq)
+    attention_impl = training_attention(attention_impl, cfg.head_dim)
     if anchors_per_chunk is None:
         anchors_per_chunk = max(1, TRAINING_SCORES_PER_CHUNK // (b * cfg.num_heads * blk * s))
     for layer in params["layers"]:
-        ctx_k, ctx_v = context_kv(layer, fused, ctx_cos, ctx_sin, cfg)
-        q, bk, bv = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
+        with jax.named_scope("context_kv"):
+            ctx_k, ctx_v = context_kv(layer, fused, ctx_cos, ctx_sin, cfg)
+        with jax.named_scope("qkv"):
+            q, bk, bv = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
         per_block = lambda t: t.reshape(b, k, blk, *t.shape[2:])  # noqa: E731
-        attn = anchored_block_attention_chunked(per_block(q), per_block(bk).astype(ctx_k.dtype),
-                                                per_block(bv).astype(ctx_v.dtype), ctx_k, ctx_v, anchors,
-                                                block_mask, anchors_per_chunk)
-        x = qwen3.finish_layer(x, attn.reshape(b, k * blk, *attn.shape[3:]).astype(q.dtype), layer, layer_cfg, 0)
+        with jax.named_scope("block_attention"):
+            args = (per_block(q), per_block(bk).astype(ctx_k.dtype), per_block(bv).astype(ctx_v.dtype), ctx_k,
+                    ctx_v, anchors, block_mask)
+            attn = (anchored_block_attention_chunked(*args, anchors_per_chunk) if attention_impl == "xla"
+                    else anchored_block_attention_prefix(*args, attention_impl))
+        with jax.named_scope("out_mlp"):
+            x = qwen3.finish_layer(x, attn.reshape(b, k * blk, *attn.shape[3:]).astype(q.dtype), layer, layer_cfg,
+                                   0)
     return x.reshape(b, k, blk, -1)
