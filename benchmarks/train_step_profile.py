@@ -5,14 +5,15 @@ passes and their parts, forward or backward, the optimizer) through the named sc
     python benchmarks/train_step_profile.py --target random \
         --out benchmarks/results/train_step_profile_h200.json
 
-Default: the shipped heads' configuration (the general pair, 3 layers, the tree-causal loss) on a synthetic
-corpus shaped like the mixture (train_throughput.py's), random weights unless `--target config`. Per bucket:
-`--steps` steps timed on the wall after a compiling one, then one step profiled: the GPU's busy time and,
-per part, milliseconds and share; the fusions taking the most time. Parts are named by the scopes the
-trainer and the head open (`teacher`, `jetspec` / `ddtree`, `block_pass` / `tree_pass`, `lm_head`, `loss`,
-`block_attention`, ...); `bwd` marks the backward pass (a transpose in the op's name). XLA's command buffers
-(CUDA graphs) are turned off, since a kernel inside one is reported as the buffer; `--command-buffers` keeps
-them (the trainer's own setting: step times as training sees them, no per-part table).
+The shipped heads' configuration (the general pair, 3 layers, the tree-causal loss; overrides go after it)
+on a synthetic corpus shaped like the mixture (train_throughput.py's), random weights unless `--target
+config`. Per bucket: `--steps` steps timed on the wall after a compiling one, then one step profiled: the
+GPU's busy time and, per part, milliseconds and share; the fusions taking the most time. Parts are named by
+the scopes the trainer and the head open (`teacher`, `jetspec` / `ddtree`, `block_pass` / `tree_pass`,
+`lm_head`, `loss`, `block_attention`, ...); `bwd` marks the backward pass (a transpose in the op's name).
+XLA's command buffers (CUDA graphs) are turned off, since a kernel inside one is reported as the buffer;
+`--command-buffers` keeps them (the trainer's own setting: step times as training sees them, no per-part
+table).
 """
 
 from __future__ import annotations
@@ -142,10 +143,10 @@ def main():
     p.add_argument("--top", type=int, default=15, help="fusions listed per bucket")
     p.add_argument("--command-buffers", action="store_true", help="keep XLA's command buffers (no per-part table)")
     p.add_argument("--out", default="benchmarks/results/train_step_profile.json")
-    p.add_argument("overrides", nargs="*", help="section.key=value; default: the shipped heads' pair, 3 layers, "
-                                                "the tree-causal loss")
+    p.add_argument("overrides", nargs="*", help="section.key=value after the shipped heads' settings (the pair, "
+                                                "3 layers, the tree-causal loss), e.g. run.attention=xla")
     args = p.parse_args()
-    overrides = args.overrides or SHIPPED
+    overrides = [*SHIPPED, *args.overrides]
     cfg = load_config(args.config, overrides)
     target = build_target(args.target, cfg)
     mesh = sharding.make_mesh(cfg.run.mesh_model)

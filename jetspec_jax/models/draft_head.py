@@ -288,7 +288,8 @@ def slot_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], tar
                 hidden: jax.Array, cfg: DraftConfig) -> jax.Array:
     """Final norm and the target's LM head on block slots' hidden states: fp32 logits (..., V)."""
     with jax.named_scope("lm_head"):
-        return qwen3.lm_logits(target_params, qwen3.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps), target_cfg)
+        return qwen3.lm_logits(target_params, qwen3.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps),
+                               target_cfg)
 
 
 def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
