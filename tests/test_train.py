@@ -353,6 +353,25 @@ def test_a_short_run_learns_and_writes_rates_and_heldout_numbers_per_kind(tiny_t
     assert (head_dir / "head.safetensors").is_file() and summary["steps"] == 16
 
 
+def test_sigterm_stops_cleanly_with_the_eval_a_checkpoint_and_the_export(tiny_target, corpus, tmp_path):
+    import os
+    import signal
+
+    head_dir = tmp_path / "head"
+
+    def terminate_at_step_3(step, row):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    summary = train(tiny_config(tmp_path, f"run.export_head={head_dir}"), tiny_target, corpus, mesh=one_device(),
+                    on_step=terminate_at_step_3)
+    # the signal came while step 3 was logged: step 4 is the one in progress, and the last
+    assert summary["steps"] == 4 and "eval_loss" in summary and (head_dir / "head.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "tiny-cpu" / "checkpoints").iterdir() if p.name.isdigit())[-1] == "4"
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the process's again
+
+
 @pytest.mark.parametrize("heads", [[], PAIR], ids=["one-head", "pair"])
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tiny_target, corpus, tmp_path, heads):
     straight, resumed, after = {}, {}, {}

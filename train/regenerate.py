@@ -23,7 +23,7 @@ from jetspec_jax.target import Target
 
 from .config import DEFAULT_DATA_DIR, DataConfig
 from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, read_prompt_ids, sha256_hex
-from .mixture import HELDOUT_FRACTION, load_prompts
+from .mixture import HELDOUT_FRACTION, is_heldout, load_prompts
 from .regen_engine import Job, StaticSettings, answer_key_ids, compile_buckets, prompt_rows_for, round_up_64, run_bucket
 
 MIN_BUCKET = 128  # prompt widths are powers of two from here: a handful of compiled shapes
@@ -61,9 +61,17 @@ def regeneration_settings(target: Target, prompts: Sequence[dict], cfg: DataConf
         "target_fingerprint": target_fingerprint(target.cfg, target.params),
         "dtype": str(target.params["embed"].dtype), "seed": seed,
         "answer_temperatures": [float(t) for t in cfg.answer_temperatures], "top_p": cfg.top_p,
+        **({"resample": cfg.resample} if cfg.resample else {}),  # first-draw corpora keep their settings
         "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
         "max_answer_tokens": max(cfg.max_answer_tokens, cfg.max_new_tokens),
         "num_prompts": len(prompts), "prompts_sha256": sha256_hex(listing.encode("utf-8"))}))
+
+
+def sample_key(prompt: dict, resample: int) -> str:
+    """The identity an answer's random stream is keyed by: the prompt's, and for a training prompt the
+    draw number when it is not the first (held-out prompts always draw the first)."""
+    key = f"{prompt['source']}:{prompt['id']}"
+    return key if not resample or is_heldout(prompt["source"], prompt["id"]) else f"{key}#draw{resample}"
 
 
 def check_settings(cfg: DataConfig, target: Target) -> None:
@@ -141,7 +149,7 @@ def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataC
 
     eos, pad = stop_tokens(target), pad_token(target)
     temperatures = settings["answer_temperatures"]
-    key_ids = answer_key_ids([f"{p['source']}:{p['id']}" for p in prompts])
+    key_ids = answer_key_ids([sample_key(p, cfg.resample) for p in prompts])
     widths = prompt_buckets(cfg.max_prompt_tokens)
     skipped = {}
     by_width: dict[int, list[Job]] = {w: [] for w in widths}

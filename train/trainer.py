@@ -13,7 +13,9 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -461,6 +463,27 @@ class Checkpoints:
         self.manager.close()
 
 
+class StopRequest:
+    """SIGTERM during training asks for a clean stop: the loop ends after its current step with the
+    held-out eval, a checkpoint and the export, as a time box would (off the main thread: never set)."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = None
+
+    @classmethod
+    def on_sigterm(cls) -> "StopRequest":
+        request = cls()
+        if threading.current_thread() is threading.main_thread():
+            request.previous = signal.signal(signal.SIGTERM, lambda *_: setattr(request, "requested", True))
+        return request
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+            self.previous = None
+
+
 def append_jsonl(path: str, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -590,6 +613,7 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
             kind for b in eval_batches for kind in b["kind"].tolist() if kind))})
     batches = batch_iterator(stream.dataset, data_state and data_state["iterator"])
     counter = TokenCounter(data_state and data_state["tokens_seen"])
+    tokens_before = counter.seen["real_tokens"]
     # training time before this run (from the checkpoint), so a resumed run's metrics continue its clock
     seconds_before = (data_state or {}).get("train_seconds", 0.0)
     rows_of = {b.length: b.rows for b in buckets}
@@ -611,13 +635,14 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     bar = tqdm(total=cfg.optim.total_steps, initial=start, desc=cfg.run.name, dynamic_ncols=True)
     t_start = t_last = time.perf_counter()  # run.max_minutes and the rates count from here, all compiled
     last_eval, step = {}, start
+    terminated = StopRequest.on_sigterm()
     while step < cfg.optim.total_steps:
         step += 1
         batch = next(batches)
         state, metrics = trainer.train_step(state, batch)
         counter.add(metrics, rows_of[batch["tokens"].shape[1]] * batch["tokens"].shape[1])
         stop_early = ((cfg.run.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.run.max_minutes)
-                      or 0 < cfg.run.max_steps <= step)
+                      or 0 < cfg.run.max_steps <= step or terminated.requested)
         last = step == cfg.optim.total_steps or stop_early
         if step % cfg.run.log_every == 0 or last or on_step is not None:
             losses = loss_fields(metrics, cfg.is_pair)  # waits for the step: the rates below are device-bound
@@ -642,12 +667,14 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
         if ckpt.manager.should_save(step):
             ckpt.save(step, state, data_state_now())
         if stop_after is not None and step >= stop_after:
+            terminated.restore()
             ckpt.wait()
             ckpt.close()
             bar.close()
             return {"stopped_at": step}
         if stop_early:
             break
+    terminated.restore()
     ckpt.wait()
     if step not in ckpt.manager.all_steps():
         ckpt.save(step, state, data_state_now(), force=True)
@@ -656,7 +683,8 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     bar.close()
     counter.flush()
     seconds_this_run = time.perf_counter() - t_start  # read once, so the two fields below agree
-    summary = {"steps": step, "tokens_seen": counter.seen["real_tokens"],
+    summary = {"steps": step, "steps_this_run": step - start, "tokens_seen": counter.seen["real_tokens"],
+               "tokens_seen_this_run": counter.seen["real_tokens"] - tokens_before,
                "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
                "devices": [d.device_kind for d in mesh.devices.flat],
                "train_seconds": seconds_before + seconds_this_run, "train_seconds_this_run": seconds_this_run,

@@ -1,0 +1,124 @@
+"""A training campaign over segments (train/campaign.py): each segment resumes from exactly what the last
+brought back; carried with its optimizer state and data position, two segments equal one uninterrupted
+run; restarted from the exported heads, a segment begins at their weights with the schedule planned from
+the last segment's rate; every segment's record lands in the campaign's log."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train import TEST_SETTINGS, corpus, one_device, tiny_target  # noqa: F401  (fixtures)
+
+from jetspec_jax.errors import InputError
+from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
+from jetspec_jax.train.campaign import CampaignSpec, bring_back, read_records, run_segment, segment_overrides
+from jetspec_jax.train.mixture import is_heldout
+from jetspec_jax.train.regenerate import sample_key
+from jetspec_jax.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def start_head(tiny_target, corpus, tmp_path_factory):
+    """The head a campaign starts from: two steps of a tiny run, exported."""
+    from jetspec_jax.train.config import load_config
+
+    out = tmp_path_factory.mktemp("start")
+    train(load_config("tiny-cpu", [f"run.out_dir={out}", *TEST_SETTINGS, f"run.export_head={out / 'head'}",
+                                   "run.max_steps=2"]), tiny_target, corpus, mesh=one_device())
+    return str(out / "head")
+
+
+def write_campaign(folder, tiny_target, start_head, cycle: str) -> CampaignSpec:
+    folder.mkdir(parents=True)
+    settings = [s for s in TEST_SETTINGS if not s.startswith("optim.")] + [
+        "run.eval_every=3", "run.checkpoint_every=2", f"run.target={tiny_target.source}"]
+    (folder / "campaign.toml").write_text(f'config = "tiny-cpu"\noverrides = {json.dumps(settings)}\n'
+                                          f'heads = ["{start_head}"]\n[cycle]\n{cycle}\n')
+    return CampaignSpec.read(str(folder))
+
+
+def on_machine(spec, tmp_path, machine: int, corpus, **kwargs) -> dict:
+    """A segment run in its own folder, as on a fresh machine, on the given corpus and one device."""
+    return run_segment(spec, out_dir=str(tmp_path / f"machine-{machine}"), corpus_dir=corpus.out_dir,
+                       mesh=one_device(), **kwargs)
+
+
+def rows_of(folder, segment: int) -> dict[int, dict]:
+    lines = (folder / f"segment-{segment:03d}" / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, lines)}
+
+
+def test_continued_segments_equal_one_uninterrupted_run(tiny_target, corpus, start_head, tmp_path):
+    cycle = 'mode = "continue"\ntotal_steps = 8\nwarmup_steps = 2\npeak_learning_rate = 3e-3'
+    whole = write_campaign(tmp_path / "whole", tiny_target, start_head, cycle)
+    on_machine(whole, tmp_path, 0, corpus, minutes=60)
+
+    split = write_campaign(tmp_path / "split", tiny_target, start_head, cycle)
+    first = on_machine(split, tmp_path, 1, corpus, minutes=60, max_steps=4)
+    carried = tmp_path / "carried"
+    bring_back(split, str(tmp_path / "machine-1"), str(carried))
+    assert sorted(p.name for p in (carried / "checkpoint").iterdir()) == ["4"]
+    with pytest.raises(InputError, match="--resume-from"):
+        on_machine(split, tmp_path, 2, corpus, minutes=60)
+    # a fresh machine: nothing but the carried checkpoint and the corpus
+    second = on_machine(split, tmp_path, 2, corpus, minutes=60, resume_from=str(carried / "checkpoint"))
+
+    assert (first["steps"], first["steps_this_run"], second["steps"], second["steps_this_run"]) == (4, 4, 8, 4)
+    assert second["resumed_from_checkpoint"] and [r["segment"] for r in read_records(split.directory)] == [1, 2]
+    straight, resumed = rows_of(tmp_path / "whole", 1), rows_of(tmp_path / "split", 2)
+    for step in range(5, 9):  # losses and token counts as the uninterrupted run had them
+        for key in ("loss", "tokens_seen"):
+            assert resumed[step][key] == straight[step][key], (step, key)
+    (whole_record,) = read_records(whole.directory)
+    got = load_head_weights(verify_head_files(str(tmp_path / "machine-2" / "export" / "head-0")), jnp.float32)
+    want = load_head_weights(verify_head_files(str(tmp_path / "machine-0" / "export" / "head-0")), jnp.float32)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # the same final weights
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert first["tokens_this_run"] + second["tokens_this_run"] == whole_record["tokens_this_run"]
+    assert second["campaign_tokens"] == whole_record["campaign_tokens"]
+
+
+def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target, corpus, start_head, tmp_path):
+    cycle = "steps_per_minute = 5\nwarmup_steps = 2\npeak_learning_rate = 3e-3\nfresh_samples = false"
+    spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle)
+    first = on_machine(spec, tmp_path, 1, corpus, minutes=1)
+    assert first["planned_steps"] == first["steps"] == 5 and first["heads_before"] == [
+        verify_head_files(start_head).weights_digest()]
+    carried = tmp_path / "carried"
+    bring_back(spec, str(tmp_path / "machine-1"), str(carried))
+    assert not (carried / "checkpoint").exists()  # restart mode carries the heads alone
+
+    second = on_machine(spec, tmp_path, 2, corpus, minutes=2, state=str(carried / "export"))
+    assert second["heads_before"] == first["heads_after"] != first["heads_before"]
+    start_row = rows_of(tmp_path / "campaign", 2)[0]
+    assert start_row["warm_start"]["weights_sha256"] == first["heads_after"][0]
+    # planned from the first segment's measured rate, and the cycle's warm-up to its peak again
+    rate = 60 * first["steps_this_run"] / first["train_seconds_this_run"]
+    assert second["planned_steps"] == max(3, round(2 * rate)) and second["warmup_steps"] == 2
+    for record in (first, second):
+        assert set(record["held_out_start"]["head"]["tau_by_kind"]) == {"chat", "long_context", "math", "translation"}
+        assert record["held_out_end"]["head"]["loss"] > 0 and record["tokens_per_s"] > 0
+    assert second["campaign_tokens"] == first["tokens_this_run"] + second["tokens_this_run"]
+    assert (tmp_path / "campaign" / "segment-002" / "data_plan.json").is_file()
+
+
+def test_a_segment_draws_fresh_samples_for_training_prompts_only(tiny_target, start_head, tmp_path):
+    spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, "steps_per_minute = 100")
+    plan = segment_overrides(spec, [{"steps_this_run": 300, "train_seconds_this_run": 60}], 10, "OUT", [start_head])
+    assert "data.resample=2" in plan and "data.regen_dir=regen-draw2" in plan and "optim.total_steps=3000" in plan
+    train_prompt = next({"source": "gsm8k", "id": f"q{i}"} for i in range(100) if not is_heldout("gsm8k", f"q{i}"))
+    heldout_prompt = next({"source": "gsm8k", "id": f"q{i}"} for i in range(100) if is_heldout("gsm8k", f"q{i}"))
+    assert sample_key(train_prompt, 0) == "gsm8k:" + train_prompt["id"] != sample_key(train_prompt, 2)
+    assert sample_key(heldout_prompt, 2) == sample_key(heldout_prompt, 0)
+
+
+def test_a_bad_campaign_file_is_one_clear_error(tmp_path):
+    (tmp_path / "campaign.toml").write_text('config = "tiny-cpu"\nheads = []\n[cycle]\nmode = "continue"\nbogus = 1\n')
+    with pytest.raises(InputError, match=r"cycle.bogus is not a setting.*needs cycle.total_steps"):
+        CampaignSpec.read(str(tmp_path))
+    with pytest.raises(InputError, match="no campaign.toml"):
+        CampaignSpec.read(str(tmp_path / "nowhere"))

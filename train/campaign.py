@@ -1,0 +1,310 @@
+"""A training campaign: the heads trained over many time-boxed runs (segments), each starting from what the
+last one brought back, every segment recorded in the campaign's folder.
+
+    python -m jetspec_jax.train.campaign --campaign train/results/smollm2-135m-general/campaign \
+        --minutes 12 --out-dir runs/campaign
+
+The folder holds `campaign.toml` (the training config and overrides, the heads it starts from, the cycle
+below) and, as segments run, `segments.jsonl` (one record each: command, commit, corpus, steps, tokens,
+seconds, held-out numbers per head and kind at its start and end, the heads' digests) and
+`segment-NNN/` (its metrics.jsonl and data_plan.json).
+
+Two ways to continue (campaign.toml's `cycle.mode`):
+- "restart": every segment starts from the exported heads of the last (bf16 weights, what a segment brings
+  back: about 19 MB a head for the embedded model's 3-layer pair) with a fresh AdamW state, warms up to
+  the cycle's peak learning rate and decays by a cosine to a tenth of it over the steps planned to fill
+  `--minutes` (at the last segment's measured rate), so every segment ends annealed and its heads can ship. Segment n regenerates its corpus with fresh
+  samples (data.resample = n) unless `--corpus` names one.
+- "continue": one schedule over `cycle.total_steps` cut into segments: each resumes exactly from the
+  checkpoint the last brought back (`--resume-from`: fp32 weights, optimizer state, data position) on the
+  same corpus, as one uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+import tomllib
+
+from jetspec_jax.errors import DamagedFileError, InputError, OneLineErrorParser, run_command
+from jetspec_jax.provenance import git_head, write_json_atomic
+
+from .config import REPO_ROOT, TrainConfig, load_config
+
+SPEC_FILE = "campaign.toml"
+LOG_FILE = "segments.jsonl"
+MODES = ("restart", "continue")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cycle:
+    mode: str = "restart"
+    peak_learning_rate: float = 2e-4
+    warmup_steps: int = 30
+    steps_per_minute: float = 150.0  # the first segment's plan; later ones use the last segment's rate
+    fresh_samples: bool = True  # restart mode: segment n's corpus draws new samples (data.resample = n)
+    total_steps: int = 0  # continue mode: the one schedule's length
+
+
+@dataclasses.dataclass(frozen=True)
+class CampaignSpec:
+    directory: str
+    config: str
+    overrides: tuple[str, ...]
+    heads: tuple[str, ...]  # exported heads the first segment starts from, one per trained head (repo-relative)
+    cycle: Cycle
+
+    @classmethod
+    def read(cls, directory: str) -> "CampaignSpec":
+        path = os.path.join(directory, SPEC_FILE)
+        if not os.path.exists(path):
+            raise InputError(f"no {SPEC_FILE} in {directory}: a campaign folder holds one (see "
+                             "train/results/smollm2-135m-general/campaign/)")
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise DamagedFileError(path, f"not valid TOML ({e})", f"fix the file ({__name__} documents it)") from None
+        known = {f.name for f in dataclasses.fields(Cycle)}
+        cycle = raw.get("cycle", {})
+        problems = [f"cycle.{k} is not a setting (known: {', '.join(sorted(known))})" for k in cycle if k not in known]
+        problems += [f"{k} is missing" for k in ("config", "heads") if k not in raw]
+        if cycle.get("mode", "restart") not in MODES:
+            problems.append(f"cycle.mode must be one of {MODES}, not {cycle['mode']!r}")
+        if cycle.get("mode") == "continue" and cycle.get("total_steps", 0) < 1:
+            problems.append("cycle.mode = \"continue\" needs cycle.total_steps (the one schedule's length)")
+        if problems:
+            raise InputError(f"{path}: " + "; ".join(problems))
+        return cls(directory=directory, config=raw["config"], overrides=tuple(raw.get("overrides", [])),
+                   heads=tuple(raw["heads"]), cycle=Cycle(**cycle))
+
+
+def read_records(directory: str) -> list[dict]:
+    path = os.path.join(directory, LOG_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def measured_steps_per_minute(records: list[dict], default: float) -> float:
+    """The last segment's training rate (steps per minute of training time), else the spec's guess."""
+    for record in reversed(records):
+        if record.get("train_seconds_this_run"):
+            return 60 * record["steps_this_run"] / record["train_seconds_this_run"]
+    return default
+
+
+def segment_overrides(spec: CampaignSpec, records: list[dict], minutes: float, out_dir: str,
+                      start_heads: list[str]) -> list[str]:
+    """The trainer's overrides for the next segment, after the campaign's own: where it runs, what it starts
+    from and exports, its schedule and its corpus."""
+    number = len(records) + 1
+    cycle = spec.cycle
+
+    def value(paths):  # a list for several heads, one path for one
+        paths = list(paths)
+        return json.dumps(paths) if len(paths) > 1 else paths[0]
+
+    exports = [os.path.join(out_dir, "export", f"head-{i}") for i in range(len(start_heads))]
+    # continue mode: one schedule, so every segment the same run (the checkpoint's config), the corpus carried
+    name = "campaign" if cycle.mode == "continue" else f"segment-{number:03d}"
+    out = [f"run.out_dir={out_dir}", f"run.name={name}", f"run.max_minutes={minutes}",
+           f"head.init_from={value(start_heads)}", f"run.export_head={value(exports)}"]
+    if cycle.mode == "continue":
+        return out + [f"optim.learning_rate={cycle.peak_learning_rate}", f"optim.warmup_steps={cycle.warmup_steps}",
+                      f"optim.total_steps={cycle.total_steps}"]
+    steps = max(cycle.warmup_steps + 1, round(minutes * measured_steps_per_minute(records, cycle.steps_per_minute)))
+    out += [f"optim.learning_rate={cycle.peak_learning_rate}", f"optim.warmup_steps={cycle.warmup_steps}",
+            f"optim.total_steps={steps}"]
+    if cycle.fresh_samples:
+        out += [f"data.resample={number}", f"data.regen_dir=regen-draw{number}"]
+    return out
+
+
+def start_heads(spec: CampaignSpec, state: str | None) -> list[str]:
+    """Where the segment starts from: the heads a previous segment brought back (`--state`: that segment's
+    export folder, holding head-0, head-1, ...), else campaign.toml's `heads` (where shipped segments go)."""
+    if state is None:
+        return [os.path.join(REPO_ROOT, h) if not os.path.isabs(h) else h for h in spec.heads]
+    found = [os.path.join(state, f"head-{i}") for i in range(len(spec.heads))]
+    missing = [p for p in found if not os.path.isdir(p)]
+    if missing:
+        raise InputError(f"--state {state} lacks {', '.join(missing)}: give the export folder a segment brought back")
+    return found
+
+
+def heads_digests(paths: list[str]) -> list[str]:
+    from jetspec_jax.loading.head_checkpoint import verify_head_files
+
+    return [verify_head_files(p).weights_digest() for p in paths]
+
+
+def held_out(row: dict) -> dict:
+    """A metrics row's held-out numbers, per head: loss, chain tau, tree-causal tau, and tau per kind."""
+    by_head = row.get("eval_by_head") or ({"head": row} if "eval_loss" in row else {})
+    return {name: {"loss": e["eval_loss"], "tau": e["eval_expected_tau"],
+                   **({"tree_tau": e["eval_tree_expected_tau"]} if "eval_tree_expected_tau" in e else {}),
+                   "tau_by_kind": {k: v["expected_tau"] for k, v in e.get("eval_by_kind", {}).items()}}
+            for name, e in by_head.items()}
+
+
+def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str | None = None,
+                resume_from: str | None = None, corpus_dir: str | None = None, extra: list[str] = (),
+                command: str | None = None, max_steps: int = 0, mesh=None) -> dict:
+    """One segment: corpus (regenerated unless given), training (on `mesh`, default all devices), export,
+    and the record appended to the campaign's log. Returns the record."""
+    from jetspec_jax.target import load_target
+
+    from .corpus import Corpus
+    from .regenerate import load_regeneration_prompts, regenerate
+    from .trainer import train
+
+    records = read_records(spec.directory)
+    if spec.cycle.mode == "continue" and records and resume_from is None:
+        raise InputError("cycle.mode is \"continue\": give --resume-from, the checkpoint the last segment brought "
+                         "back (or start a new campaign folder)")
+    heads = start_heads(spec, state)
+    overrides = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads), *extra]
+    if max_steps:
+        overrides.append(f"run.max_steps={max_steps}")
+    cfg = load_config(spec.config, overrides)
+    run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
+    if resume_from is not None:
+        bring_in_checkpoint(resume_from, os.path.join(run_dir, "checkpoints"))
+    target = load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
+    regen_seconds = 0.0
+    if corpus_dir is None:
+        corpus_dir = os.path.join(cfg.run.out_dir, cfg.data.regen_dir)
+        prompts = load_regeneration_prompts(cfg.data.data_dir, cfg.data.sources, cfg.run.seed)
+        t0 = time.perf_counter()
+        # not beside the training programs' compilation: sharing the host, regeneration ran at a third of its
+        # rate on the GPU (docs/training.md)
+        manifest = regenerate(target, prompts, corpus_dir, cfg.data, seed=cfg.run.seed, config_name=spec.config)
+        regen_seconds = time.perf_counter() - t0
+        if not manifest["complete"]:
+            raise InputError(f"the corpus in {corpus_dir} is unfinished (data.regen_max_minutes): run again to "
+                             "resume it")
+    corpus = Corpus(corpus_dir)
+    digests_before = heads_digests(heads)
+    summary = train(cfg, target, corpus, mesh=mesh)
+    record = segment_record(spec, records, cfg, summary, run_dir, corpus, regen_seconds, digests_before,
+                            resume_from, command or "python -m jetspec_jax.train.campaign " + shlex.join(sys.argv[1:]))
+    append_record(spec.directory, record, run_dir)
+    return record
+
+
+def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str, corpus, regen_seconds: float,
+                   digests_before: list[str], resume_from: str | None, command: str) -> dict:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    start_row = next((r for r in rows if r.get("step") == 0 and "warm_start" in r), None)
+    evals = [r for r in rows if "eval_loss" in r or "eval_by_head" in r]
+    exports = list(cfg.run.export_head) if isinstance(cfg.run.export_head, list) else [cfg.run.export_head]
+    return {
+        "segment": len(records) + 1, "mode": spec.cycle.mode, "commit": git_head(), "command": command,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "devices": summary.get("devices"),
+        "resumed_from_checkpoint": resume_from is not None,
+        "learning_rate": cfg.optim.learning_rate, "warmup_steps": cfg.optim.warmup_steps,
+        "planned_steps": cfg.optim.total_steps, "steps": summary["steps"], "steps_this_run": summary["steps_this_run"],
+        "tokens_this_run": summary["tokens_seen_this_run"],
+        "campaign_tokens": sum(r["tokens_this_run"] for r in records) + summary["tokens_seen_this_run"],
+        "train_seconds_this_run": summary["train_seconds_this_run"],
+        "tokens_per_s": round(summary["tokens_seen_this_run"] / max(summary["train_seconds_this_run"], 1e-9), 1),
+        "compile_seconds": summary["compile_seconds_this_run"], "regen_seconds": round(regen_seconds, 1),
+        "corpus": {"dir": os.path.basename(os.path.normpath(corpus.out_dir)),
+                   "answers": corpus.manifest.get("num_answers"), "resample": cfg.data.resample},
+        "heads_before": digests_before, "heads_after": heads_digests(exports) if all(exports) else None,
+        "held_out_start": held_out(start_row) if start_row else None,
+        "held_out_end": held_out(evals[-1]) if evals else None,
+    }
+
+
+def append_record(directory: str, record: dict, run_dir: str) -> None:
+    """The segment's metrics and data plan into segment-NNN/, then its line in the log (last, so a log line
+    always has its folder)."""
+    folder = os.path.join(directory, f"segment-{record['segment']:03d}")
+    os.makedirs(folder, exist_ok=True)
+    for name in ("metrics.jsonl", "data_plan.json"):
+        source = os.path.join(run_dir, name)
+        if os.path.exists(source):
+            shutil.copyfile(source, os.path.join(folder, name + ".tmp"))
+            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+    write_json_atomic(os.path.join(folder, "segment.json"), record)
+    with open(os.path.join(directory, LOG_FILE), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def bring_in_checkpoint(source: str, checkpoints: str) -> None:
+    """A checkpoint a segment brought back (a step folder of orbax's, or the folder holding it) placed where
+    the trainer resumes from."""
+    step_dir = source if os.path.basename(os.path.normpath(source)).isdigit() else None
+    if step_dir is None:
+        steps = sorted((d for d in os.listdir(source) if d.isdigit()), key=int) if os.path.isdir(source) else []
+        if not steps:
+            raise InputError(f"--resume-from {source} holds no checkpoint step folder: give the checkpoint a "
+                             "segment brought back (its run's checkpoints/ or one step inside it)")
+        step_dir = os.path.join(source, steps[-1])
+    os.makedirs(checkpoints, exist_ok=True)
+    target = os.path.join(checkpoints, os.path.basename(os.path.normpath(step_dir)))
+    if not os.path.exists(target):
+        shutil.copytree(step_dir, target)
+
+
+def bring_back(spec: CampaignSpec, out_dir: str, destination: str) -> None:
+    """What the next segment starts from, copied out of a finished segment's folder: the exported heads
+    (`--state DESTINATION/export`) and in continue mode the last checkpoint (`--resume-from
+    DESTINATION/checkpoint`)."""
+    os.makedirs(destination, exist_ok=True)
+    shutil.copytree(os.path.join(out_dir, "export"), os.path.join(destination, "export"), dirs_exist_ok=True)
+    if spec.cycle.mode == "continue":
+        step = latest_checkpoint(os.path.join(out_dir, "campaign"))
+        if step is None:
+            raise InputError(f"no checkpoint in {out_dir}/campaign/checkpoints to bring back")
+        shutil.copytree(step, os.path.join(destination, "checkpoint", os.path.basename(step)), dirs_exist_ok=True)
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    folder = os.path.join(run_dir, "checkpoints")
+    steps = sorted((d for d in os.listdir(folder) if d.isdigit()), key=int) if os.path.isdir(folder) else []
+    return os.path.join(folder, steps[-1]) if steps else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="python -m jetspec_jax.train.campaign", description=__doc__.split("\n\n")[0])
+    p.add_argument("--campaign", required=True, help="the campaign folder (holding campaign.toml)")
+    p.add_argument("--minutes", type=float, required=True, help="this segment's training time box")
+    p.add_argument("--out-dir", required=True, help="where the segment runs: corpus, checkpoints, exported heads")
+    p.add_argument("--state", default=None, help="restart mode: the export folder a previous segment brought back "
+                                                 "(default: campaign.toml's heads)")
+    p.add_argument("--resume-from", default=None, help="continue mode: the checkpoint the last segment brought back")
+    p.add_argument("--corpus", default=None, help="a regenerated corpus to train on instead of regenerating")
+    p.add_argument("--bring-back", default=None, help="copy what the next segment needs here: export/ (the heads) "
+                                                       "and, in continue mode, checkpoint/ (the last step's state)")
+    p.add_argument("overrides", nargs="*", help="section.key=value after the campaign's, e.g. data.data_dir=DIR")
+    return p
+
+
+def campaign_command(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    spec = CampaignSpec.read(args.campaign)
+    record = run_segment(spec, minutes=args.minutes, out_dir=args.out_dir, state=args.state,
+                         resume_from=args.resume_from, corpus_dir=args.corpus, extra=args.overrides)
+    if args.bring_back:
+        bring_back(spec, args.out_dir, args.bring_back)
+    print(json.dumps(record, indent=2))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(campaign_command, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
