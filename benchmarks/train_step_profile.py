@@ -34,7 +34,7 @@ import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json_atomic  # noqa: E402
-from train_throughput import PAIR, build_target, synthetic_corpus  # noqa: E402
+from train_throughput import PAIR, SHAPES, build_target, synthetic_corpus  # noqa: E402
 
 from jetspec_jax import sharding  # noqa: E402
 from jetspec_jax.train.config import load_config  # noqa: E402
@@ -135,8 +135,9 @@ def profile_bucket(trainer: Trainer, state, batches: list[dict], top: int) -> tu
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="smollm2-135m-general-jetspec", help="a file in train/configs (name or path)")
-    p.add_argument("--target", choices=["config", "random"], default="config",
-                   help="the config's target, or SmolLM2-135M's shape with random weights (the same cost)")
+    p.add_argument("--target", choices=["config", *SHAPES], default="config",
+                   help="the config's target, or a shape with random weights (the same cost): random (SmolLM2-135M), "
+                        "qwen3-8b-shaped")
     p.add_argument("--buckets", type=int, nargs="*", default=None, help="bucket lengths to profile (default: all)")
     p.add_argument("--prompts", type=int, default=2000, help="synthetic corpus: prompts")
     p.add_argument("--steps", type=int, default=5, help="timed steps per bucket")

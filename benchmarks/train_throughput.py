@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json_atomic  # noqa: E402
 from decode_profile import SMOLLM2_135M  # noqa: E402
+from spec_step_breakdown import QWEN3_8B  # noqa: E402
 
 from jetspec_jax import sharding  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
@@ -100,11 +101,16 @@ def synthetic_corpus(out_dir: str, *, prompts: int, answers_per_prompt: int, max
     return Corpus(out_dir)
 
 
+# The shapes `--target` takes with random weights (the step's cost does not depend on them).
+SHAPES = {"random": (SMOLLM2_135M, "SmolLM2-135M-shaped"), "qwen3-8b-shaped": (QWEN3_8B, "Qwen3-8B-shaped")}
+
+
 def build_target(kind: str, cfg) -> Target:
-    """The config's target ("config") or SmolLM2-135M's shape with random weights ("random")."""
-    if kind == "random":
-        params = init_params(qwen3.param_specs(SMOLLM2_135M), jax.random.key(0), cfg.run.compute_dtype)
-        return Target(SMOLLM2_135M, params, None, "SmolLM2-135M-shaped, random weights")
+    """The config's target ("config"), or a shape of SHAPES with random weights."""
+    if kind in SHAPES:
+        shape, name = SHAPES[kind]
+        params = init_params(qwen3.param_specs(shape), jax.random.key(0), cfg.run.compute_dtype)
+        return Target(shape, params, None, f"{name}, random weights")
     return load_target(cfg.run.target or None, dtype=cfg.run.compute_dtype)
 
 
@@ -173,9 +179,9 @@ def measure_layout(name: str, cfg, target, mesh, answers, steps: int) -> list[di
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="smollm2-135m-general-jetspec", help="a file in train/configs (name or path)")
-    p.add_argument("--target", choices=["config", "random"], default="config",
-                   help="the config's target, or SmolLM2-135M's shape with random weights (the same cost; for a "
-                        "machine without the embedded model)")
+    p.add_argument("--target", choices=["config", *SHAPES], default="config",
+                   help="the config's target; random: SmolLM2-135M's shape with random weights (the same cost; for "
+                        "a machine without the embedded model); qwen3-8b-shaped: Qwen3-8B's, random weights")
     p.add_argument("--corpus", default=None, help="a regenerated corpus directory (default: a synthetic one)")
     p.add_argument("--prompts", type=int, default=2000, help="synthetic corpus: prompts (each with its answers)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per bucket (and per bucket in the stream)")
