@@ -31,7 +31,7 @@ def environment() -> dict[str, Any]:
             info[name] = __import__(name).__version__
         except ImportError:
             pass
-    info["git_commit"] = os.environ.get("JETSPEC_COMMIT") or git_head()
+    info["git_commit"] = git_head()
     if os.environ.get("XLA_FLAGS"):  # they change what XLA compiles, so timings depend on them
         info["xla_flags"] = os.environ["XLA_FLAGS"]
     return info
@@ -40,6 +40,8 @@ def environment() -> dict[str, Any]:
 def git_head() -> str | None:
     """HEAD of the checkout holding this package. A copy of the tree without its own git metadata
     (or with stale metadata) names its commit with JETSPEC_COMMIT instead."""
+    if os.environ.get("JETSPEC_COMMIT"):
+        return os.environ["JETSPEC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
