@@ -93,9 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="target .gguf or HF directory (default: the embedded model)")
     run.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                      help="default: bf16 on GPU, fp32 on CPU")
-    run.add_argument("--matmul-precision", choices=["default", "high", "highest"], default=None,
-                     help="jax matmul precision (default: highest for float32, whose T=0 outputs must "
-                          "equal AR's exactly; jax's default otherwise)")
     run.add_argument("--code-timeout", type=float, default=10.0, help="seconds per HumanEval/MBPP program")
     run.add_argument("--compile-workers", type=int, default=EvalConfig.compile_workers, metavar="N",
                      help="compile every program of the run before the first timed call, N at a time (XLA "
@@ -139,7 +136,7 @@ def eval_command(argv=None) -> int:
             attention=args.attention, prompt_bucket=args.prompt_bucket, batch=args.batch, seed=args.seed,
             data_dir=args.data_dir, results=args.results, head_dirs=parse_heads(args.heads),
             heads_label=args.heads_label, allow_untrained=args.allow_untrained, model=args.model,
-            dtype=args.dtype, matmul_precision=args.matmul_precision, code_timeout=args.code_timeout,
+            dtype=args.dtype, code_timeout=args.code_timeout,
             compile_workers=args.compile_workers, progress=not args.no_progress)
         summary = run_eval(config, command=["python", "-m", "jetspec_jax.eval",
                                             *(sys.argv[1:] if argv is None else argv)])

@@ -391,7 +391,7 @@ def lossless_lines(groups: list[dict]) -> list[str]:
                    "not exact here; this is a bug.**")
     if sum(g["mismatches"] for g in fp32) > exact:
         out.append("Some fp32 mismatches ran with reduced-precision (e.g. TF32) matmuls, which round like "
-                   "bf16; rerun with --matmul-precision highest to check exactness.")
+                   "bf16; rerun them (fp32 runs now compute every dot in fp32) to check exactness.")
     return out + [""]
 
 

@@ -14,13 +14,13 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
 from jetspec_jax.compilation import default_workers
 from jetspec_jax.generate import (PROMPT_BUCKET, GenerateCall, compile_ahead, encode_prompts, generate, pad_prompts,
                                   plan_cache_len, prepare_generate, stop_tokens)
+from jetspec_jax.kernels.precision import run_matmul_precision
 from jetspec_jax.models import draft_head
 from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_draft_attention, check_gemm_backend,
                                      check_tree_temperature, resolve_draft_attention, speculative_cache_rows)
@@ -68,7 +68,6 @@ class EvalConfig:
     allow_untrained: bool = False
     model: str | None = None
     dtype: str | None = None
-    matmul_precision: str | None = None  # None: "highest" for float32 (exactness checks), else jax's
     code_timeout: float = 10.0
     compile_workers: int = default_workers()  # programs compiled at once before the timed calls; 0: at first call
     progress: bool = True
@@ -106,9 +105,6 @@ class EvalConfig:
                 check(value)
             except ValueError as e:
                 problems.append(str(e))
-        if self.matmul_precision not in (None, "default", "high", "highest"):
-            problems.append(f"matmul_precision must be default, high or highest, got "
-                            f"{self.matmul_precision!r}")
         if self.results.endswith(".gz"):
             problems.append(f"results {self.results!r} is gzipped (an archived run, read-only): gunzip it to "
                             "resume, or name a new .jsonl file")
@@ -383,15 +379,6 @@ class Evaluator:
         return {"matches_ar": False, "first_mismatch": first, "token_ids": tokens}
 
 
-def set_matmul_precision(config: EvalConfig, dtype: str) -> str:
-    """fp32 runs check exactness, so they default to full-precision matmuls (a GPU's default TF32
-    rounds like bf16 would); returns the precision in force."""
-    precision = config.matmul_precision or ("highest" if dtype == "float32" else None)
-    if precision is not None:
-        jax.config.update("jax_default_matmul_precision", precision)
-    return jax.config.jax_default_matmul_precision or "default"
-
-
 def run_heads_label(config: EvalConfig, heads: dict[str, HeadSource]) -> str:
     """The name of the run's head set in reports: --heads-label, else one made from the heads' dirs."""
     return config.heads_label or heads_label(h.name for h in heads.values())
@@ -435,7 +422,7 @@ def run_eval(config: EvalConfig, target: Target | None = None, command=None) -> 
         log.info("adding ar: every method is timed and checked against it")
     dtype = str(jnp.dtype(target.params["embed"].dtype if target is not None
                           else config.dtype or default_dtype()))
-    settings = run_settings(config, identity.name, dtype, set_matmul_precision(config, dtype), heads)
+    settings = run_settings(config, identity.name, dtype, run_matmul_precision(dtype), heads)
     head_ids = {role: h.sha256 or h.name for role, h in heads.items()}
     check_compatible(config.results, settings, head_ids)
     specs = plan_runs(config, heads, items)

@@ -53,7 +53,7 @@ def test_group_metrics():
 
 @pytest.mark.parametrize("dtype, precision, label, verdict", [
     ("bfloat16", "default", "bfloat16", None), ("float32", "highest", "float32/highest", "this is a bug"),
-    ("float32", "default", "float32", "rerun with --matmul-precision highest")])
+    ("float32", "default", "float32", "rerun them")])
 def test_report_counts_mismatches_and_flags_exact_fp32(tmp_path, dtype, precision, label, verdict):
     results = tmp_path / "r.jsonl"
     kw = dict(dtype=dtype, precision=precision)
@@ -65,7 +65,7 @@ def test_report_counts_mismatches_and_flags_exact_fp32(tmp_path, dtype, precisio
     paths = write_report([str(results)], str(tmp_path / "out"))
     md = open(paths[0]).read()
     assert f"- {label}: 1 mismatched prompts at T=0 (of 1 compared)." in md
-    for note in ("this is a bug", "rerun with --matmul-precision highest"):
+    for note in ("this is a bug", "rerun them"):
         assert (note in md) is (note == verdict)
     assert "1 runs failed" in md and "| 0 | jetspec | 32 |" in md and "| 1 | jetspec | 32 |" in md
     report = json.loads(open(paths[1]).read())

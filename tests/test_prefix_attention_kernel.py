@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from drafters import random_head
-from triton_lowering import lowered_triton_modules
+from triton_lowering import lowered_triton_modules, tf32_dots
 
 from jetspec_jax.kernels.prefix_attention import PrefixAttentionTuning, prefix_attention, prefix_attention_reference
 from jetspec_jax.models import draft_head
@@ -91,7 +91,7 @@ def test_bad_shapes_are_refused_with_what_to_change():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_forward_and_backward_lower_to_valid_triton_modules(dtype, monkeypatch):
     """The CUDA lowering of all three kernels passes MLIR's verifier (the embedded model's shape: 9 heads
-    over 3 kv heads of 64, a tree pass's 30 slots a block)."""
+    over 3 kv heads of 64, a tree pass's 30 slots a block), and no dot rounds fp32 inputs to TF32."""
     args = (jax.ShapeDtypeStruct((2, 19 * 30, 9, 64), dtype), jax.ShapeDtypeStruct((2, 256, 3, 64), dtype),
             jax.ShapeDtypeStruct((2, 256, 3, 64), dtype), jax.ShapeDtypeStruct((2, 19 * 30), jnp.int32))
     modules = lowered_triton_modules(monkeypatch, lambda: jax.jit(jax.grad(objective("pallas"), argnums=(0, 1, 2)))
@@ -99,6 +99,7 @@ def test_forward_and_backward_lower_to_valid_triton_modules(dtype, monkeypatch):
     assert len(modules) == 3  # forward, dQ, dK/dV
     for module in modules:
         assert module.operation.verify()
+        assert "tt.dot" in str(module) and not tf32_dots(module)
 
 
 @pytest.mark.parametrize("attention, pass_", [("causal", "tree"), ("bidirectional", "block")])

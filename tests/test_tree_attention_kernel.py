@@ -15,7 +15,7 @@ from jetspec_jax.kernels.tree_attention import (TreeAttentionTuning, ancestors_f
                                                 tree_attention, tree_attention_reference, tree_attention_with_lse,
                                                 unpack_tree_mask)
 from jetspec_jax.models import qwen3
-from triton_lowering import lowered_triton_modules
+from triton_lowering import lowered_triton_modules, tf32_dots
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -171,7 +171,8 @@ LOWERING_SHAPES = [  # batch, N, heads, kv heads, head dim, cache rows, dtype, t
 
 @pytest.mark.parametrize("shape", LOWERING_SHAPES)
 def test_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
-    """The CUDA lowering passes MLIR's verifier (a mistyped loop bound once failed only on the GPU)."""
+    """The CUDA lowering passes MLIR's verifier (a mistyped loop bound once failed only on the GPU), and
+    no dot rounds fp32 inputs to TF32."""
     from jetspec_jax.kernels.tree_attention import tree_attention_pallas
 
     b, n, h, hkv, d, s, dtype, tuning = shape
@@ -183,6 +184,7 @@ def test_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
         lowering_platforms=("cuda",)))
     for module in modules:
         assert module.operation.verify()
+        assert "tt.dot" in str(module) and not tf32_dots(module)
 
 
 @pytest.mark.parametrize("attention", ["causal", "bidirectional", "tree"])

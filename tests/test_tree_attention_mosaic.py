@@ -49,13 +49,18 @@ def test_mosaic_kernel_matches_reference(case):
         assert out.shape[1] == splits and lse.shape == (shape[0], splits, shape[2], shape[1])
 
 
-def test_calls_it_cannot_take_go_to_the_triton_kernel():
+@pytest.mark.parametrize("n, dtype, needle", [(13, jnp.bfloat16, "multiple of 64"), (64, jnp.float32, "bf16 or f16")])
+def test_calls_it_cannot_take_go_to_the_triton_kernel(n, dtype, needle):
+    """Among them every fp32 call: the Triton kernel computes it in fp32, to the reference's 1e-5."""
     rng = np.random.default_rng(3)
-    q, k, v, lengths, words = make_inputs(rng, 2, 13, 4, 2, 64, 100, [37, 80], ["star", "random"], jnp.bfloat16)
-    assert "multiple of 64" in mosaic_unsupported_reason(q, k)
+    q, k, v, lengths, words = make_inputs(rng, 2, n, 4, 2, 64, 100, [7, 30], ["star", "random"], dtype)
+    assert needle in mosaic_unsupported_reason(q, k)
     got = tree_attention(q, k, v, lengths, words, implementation="mosaic_interpret")
     want = tree_attention(q, k, v, lengths, words, implementation="pallas_interpret")
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(tree_attention_reference(q, k, v, lengths, words)),
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("q_shape, kv_shape, dtype, needle", [

@@ -3,6 +3,7 @@ MLIR's verifier on them: that catches what would only fail when a GPU compiles t
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 
@@ -19,6 +20,13 @@ def lowered_triton_modules(monkeypatch, lower) -> list:
         return result
 
     monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
-    lower()
+    with jax.default_matmul_precision("default"):  # as a user's run lowers, not under the tests' "highest"
+        lower()
     assert modules, "no kernel was lowered through Triton"
     return modules
+
+
+def tf32_dots(module) -> list[str]:
+    """The module's dot lines that round fp32 inputs to TF32 (Triton's default for fp32 dots); a kernel
+    that takes fp32 inputs must have none, or an fp32 run on the GPU is not computed in fp32."""
+    return [line.strip() for line in str(module).splitlines() if "tt.dot" in line and "inputPrecision = tf32" in line]

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.tree_attention_mosaic import MosaicTreeAttentionTuning, tree_attention_mosaic_splits
 from jetspec_jax.kernels.tree_attention_mosaic import unsupported_reason as mosaic_unsupported_reason
 
@@ -80,10 +81,10 @@ def tree_attention_reference_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, 
                                        axis=2)
     mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_visible)  # (B, N, S)
     qg = q.reshape(b, n, hkv, h // hkv, d)
-    scores = jnp.einsum("bnkgd,bskd->bkgns", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = precision.einsum("bnkgd,bskd->bkgns", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgns,bskd->bnkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = precision.einsum("bkgns,bskd->bnkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(scores, axis=-1).transpose(0, 3, 1, 2).reshape(b, n, h)  # (B, Hkv, G, N) -> (B, N, H)
     return jnp.where((lse == -jnp.inf)[..., None], 0.0, out.reshape(b, n, h, d)), lse
 
@@ -475,7 +476,7 @@ def merge_weighted(out: jax.Array, lse: jax.Array) -> jax.Array:
     weights = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # an empty split weighs 0
     total = jnp.sum(weights, axis=1, keepdims=True)
     weights = jnp.swapaxes(weights / jnp.where(total == 0, 1.0, total), 2, 3)  # (B, P, N, H)
-    return jnp.einsum("bpnhd,bpnh->bnhd", out.astype(jnp.float32), weights)
+    return precision.einsum("bpnhd,bpnh->bnhd", out.astype(jnp.float32), weights)
 
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.prefix_attention import prefix_attention, prefix_attention_supported
 from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
 from jetspec_jax.kv_cache import write_block
@@ -187,14 +188,14 @@ def fuse_taps(params: Mapping[str, Any], taps: jax.Array, cfg: DraftConfig) -> j
     """taps (B, n, n_taps, D_target) -> fused context features (B, n, D)."""
     b, n = taps.shape[:2]
     flat = taps.reshape(b, n, -1).astype(params["fc"].dtype)
-    return qwen3.rms_norm(flat @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+    return qwen3.rms_norm(precision.matmul(flat, params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
 
 
 def context_kv(layer: Mapping[str, jax.Array], fused: jax.Array, cos: jax.Array, sin: jax.Array,
                cfg: DraftConfig) -> tuple[jax.Array, jax.Array]:
     b, n = fused.shape[:2]
-    k = (fused @ layer["wk"]).reshape(b, n, cfg.num_kv_heads, cfg.head_dim)
-    v = (fused @ layer["wv"]).reshape(b, n, cfg.num_kv_heads, cfg.head_dim)
+    k = precision.matmul(fused, layer["wk"]).reshape(b, n, cfg.num_kv_heads, cfg.head_dim)
+    v = precision.matmul(fused, layer["wv"]).reshape(b, n, cfg.num_kv_heads, cfg.head_dim)
     k = qwen3.apply_rope(qwen3.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps), cos, sin)
     return k, v
 
@@ -347,16 +348,16 @@ def anchored_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, ctx_k: ja
     hkv, s = k.shape[3], ctx_k.shape[1]
     scale = 1.0 / math.sqrt(hd)
     q = q.reshape(b, nk, blk, hkv, h // hkv, hd)
-    ctx_scores = jnp.einsum("bnqkgd,bskd->bnkgqs", q, ctx_k, preferred_element_type=jnp.float32) * scale
+    ctx_scores = precision.einsum("bnqkgd,bskd->bnkgqs", q, ctx_k, preferred_element_type=jnp.float32) * scale
     ctx_visible = jnp.arange(s)[None, None, :] < anchors[:, :, None]  # (B, K, S)
     ctx_scores = jnp.where(ctx_visible[:, :, None, None, None, :], ctx_scores, -jnp.inf)
-    own_scores = jnp.einsum("bnqkgd,bnskd->bnkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    own_scores = precision.einsum("bnqkgd,bnskd->bnkgqs", q, k, preferred_element_type=jnp.float32) * scale
     own_scores = jnp.where(block_mask, own_scores, -jnp.inf)  # every slot sees itself: a finite maximum
     peak = jax.lax.stop_gradient(jnp.maximum(jnp.max(ctx_scores, axis=-1), jnp.max(own_scores, axis=-1)))[..., None]
     ctx_p, own_p = jnp.exp(ctx_scores - peak), jnp.exp(own_scores - peak)
     total = jnp.sum(ctx_p, axis=-1) + jnp.sum(own_p, axis=-1)  # (B, K, Hkv, G, blk)
-    out = (jnp.einsum("bnkgqs,bskd->bnqkgd", ctx_p.astype(ctx_v.dtype), ctx_v, preferred_element_type=jnp.float32)
-           + jnp.einsum("bnkgqs,bnskd->bnqkgd", own_p.astype(v.dtype), v, preferred_element_type=jnp.float32))
+    out = (precision.einsum("bnkgqs,bskd->bnqkgd", ctx_p.astype(ctx_v.dtype), ctx_v, preferred_element_type=jnp.float32)
+           + precision.einsum("bnkgqs,bnskd->bnqkgd", own_p.astype(v.dtype), v, preferred_element_type=jnp.float32))
     out = out / jnp.moveaxis(total, -1, 2)[..., None]
     return out.reshape(b, nk, blk, h, hd).astype(q.dtype)
 
@@ -396,10 +397,10 @@ def anchored_block_attention_prefix(q, k, v, ctx_k, ctx_v, anchors, block_mask, 
     ctx_out, ctx_lse = prefix_attention(q.reshape(b, nk * blk, h, hd), ctx_k, ctx_v, limits,
                                         implementation=implementation)
     qg = q.reshape(b, nk, blk, hkv, h // hkv, hd)
-    own = jnp.einsum("bnqkgd,bnskd->bnkgqs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    own = precision.einsum("bnqkgd,bnskd->bnkgqs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
     own = jnp.where(block_mask, own, -jnp.inf)  # every slot sees itself: a finite log-sum-exp
     own_lse = jax.nn.logsumexp(own, axis=-1)  # (B, K, Hkv, G, blk)
-    own_out = jnp.einsum("bnkgqs,bnskd->bnqkgd", jax.nn.softmax(own, axis=-1).astype(v.dtype), v,
+    own_out = precision.einsum("bnkgqs,bnskd->bnqkgd", jax.nn.softmax(own, axis=-1).astype(v.dtype), v,
                          preferred_element_type=jnp.float32).reshape(b, nk, blk, h, hd)
     own_lse = jnp.moveaxis(own_lse, -1, 2).reshape(b, nk, blk, h)
     ctx_lse = ctx_lse.reshape(b, nk, blk, h)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.tree_attention import (default_implementation as default_tree_attention, pack_tree_mask,
                                                  tree_attention)
 from jetspec_jax.kv_cache import KVCache, write_block
@@ -389,27 +390,29 @@ def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     b, t, h, hd = q.shape
     hkv = k.shape[2]
     q = q.reshape(b, t, hkv, h // hkv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = precision.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd))
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = precision.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
 def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention of a block over itself, q (B,T,H,hd), k/v (B,T,Hkv,hd): cuDNN's fused kernel
-    on GPU for bf16/f16 (memory linear in T), XLA's elsewhere."""
-    fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                        implementation="cudnn" if fused else "xla").astype(q.dtype)
+    on GPU for bf16/f16 (memory linear in T), `attention_scores_softmax` elsewhere (its dots take the
+    operands' precision, which jax.nn.dot_product_attention's XLA path leaves to the global default)."""
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(q.dtype)
+    b, t = q.shape[:2]
+    return attention_scores_softmax(q, k, v, jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)))
 
 
 def project_qkv(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config):
     if "wqkv" in layer:  # fused for decoding (see fuse_for_decode)
-        q, k, v = jnp.split(x @ layer["wqkv"], _qkv_splits(cfg), axis=-1)
+        q, k, v = jnp.split(precision.matmul(x, layer["wqkv"]), _qkv_splits(cfg), axis=-1)
     else:
-        q, k, v = x @ layer["wq"], x @ layer["wk"], x @ layer["wv"]
+        q, k, v = (precision.matmul(x, layer[name]) for name in ("wq", "wk", "wv"))
     if cfg.attention_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     return q, k, v
@@ -422,10 +425,10 @@ def _qkv_splits(cfg: Config) -> tuple[int, int]:
 
 def dense_mlp(x: jax.Array, layer: Mapping[str, jax.Array]) -> jax.Array:
     if "w_gate_up" in layer:
-        gate, up = jnp.split(x @ layer["w_gate_up"], 2, axis=-1)
+        gate, up = jnp.split(precision.matmul(x, layer["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = x @ layer["w_gate"], x @ layer["w_up"]
-    return (jax.nn.silu(gate) * up) @ layer["w_down"]
+        gate, up = precision.matmul(x, layer["w_gate"]), precision.matmul(x, layer["w_up"])
+    return precision.matmul(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def fuse_for_decode(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -451,7 +454,7 @@ def moe_mlp(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config) -> jax.Ar
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])  # (M, D)
     m, k, e = tokens.shape[0], cfg.num_experts_per_tok, cfg.num_experts
-    router_probs = jax.nn.softmax((tokens @ layer["router"]).astype(jnp.float32), axis=-1)
+    router_probs = jax.nn.softmax(precision.matmul(tokens, layer["router"]).astype(jnp.float32), axis=-1)
     weights, experts = lax.top_k(router_probs, k)  # (M, k)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -460,9 +463,9 @@ def moe_mlp(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config) -> jax.Ar
     token_of = order // k
     sorted_in = tokens[token_of]
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
-    gate = lax.ragged_dot(sorted_in, layer["experts_gate"], group_sizes)
-    up = lax.ragged_dot(sorted_in, layer["experts_up"], group_sizes)
-    down = lax.ragged_dot(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)  # (M*k, D)
+    gate = precision.ragged_dot(sorted_in, layer["experts_gate"], group_sizes)
+    up = precision.ragged_dot(sorted_in, layer["experts_up"], group_sizes)
+    down = precision.ragged_dot(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)  # (M*k, D)
     sorted_w = weights.reshape(-1)[order].astype(jnp.float32)
     out = jnp.zeros((m, shape[-1]), jnp.float32).at[token_of].add(down.astype(jnp.float32) * sorted_w[:, None])
     return out.astype(x.dtype).reshape(shape)
@@ -492,7 +495,7 @@ def finish_layer(x: jax.Array, attn: jax.Array, layer: Mapping[str, jax.Array], 
                  layer_index: int) -> jax.Array:
     """The rest of a layer after attention (B, T, H, hd): output projection, residual, MLP."""
     b, t = x.shape[:2]
-    attn = attn.reshape(b, t, -1) @ layer["wo"]
+    attn = precision.matmul(attn.reshape(b, t, -1), layer["wo"])
     if cfg.attention_bias:
         attn = attn + layer["bo"]
     x = x + attn
@@ -580,5 +583,5 @@ def forward(
 def lm_logits(params: Mapping[str, Any], hidden: jax.Array, cfg: Config) -> jax.Array:
     """Final projection to the vocabulary (tied to the embedding when the checkpoint ties it), fp32."""
     if cfg.tie_embeddings:
-        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        return precision.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+    return precision.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
