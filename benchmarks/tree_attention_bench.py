@@ -50,13 +50,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (chained_calls, device_seconds, environment, gpu_microseconds, print_table,  # noqa: E402
                     write_json_atomic)
 
+from jetspec_jax.kernels.attention import attention_scores_softmax, block_attention_mask  # noqa: E402
 from jetspec_jax.kernels.tree_attention import (  # noqa: E402
     MosaicTreeAttentionTuning, TreeAttentionTuning, ancestors_from_parents, block_rows_for, head_blocked,
     kernel_inputs, merge_mosaic_splits, mosaic_unsupported_reason, pack_tree_mask, random_tree_parents,
     tree_attention, tree_attention_mosaic, tree_attention_mosaic_splits, tree_attention_reference,
     tree_attention_splits)
 from jetspec_jax.kernels.tree_attention_mosaic import grid_for as mosaic_grid  # noqa: E402
-from jetspec_jax.models import qwen3  # noqa: E402
 
 BANDWIDTH, MATMUL_FLOPS = 4.3e12, 790e12
 HEAD_SHAPES = {"qwen3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -134,13 +134,13 @@ def paths_for(q, k, v, lengths, anc, kernel_impl, tuning, baseline=None):
     """name -> (fn(x, *rest) -> same shape as x, rest, x); x is q unless a path needs another layout."""
     words = pack_tree_mask(anc)
     n, s = q.shape[1], k.shape[1]
-    dense = qwen3.block_attention_mask(lengths, n, s, anc)
+    dense = block_attention_mask(lengths, n, s, anc)
     paths = {
         "pallas": (lambda q, k, v, l, w: tree_attention(q, k, v, l, w, implementation=kernel_impl, tuning=tuning),
                    (k, v, lengths, words), q),
         "pallas_kernel_only": kernel_only(q, k, v, lengths, anc, kernel_impl, tuning),
         "one_op_floor": (lambda q: -q, (), q),  # what one trivial XLA op costs in this timing loop
-        "xla_dense": (lambda q, k, v, m: qwen3.attention_scores_softmax(q, k, v, m), (k, v, dense), q),
+        "xla_dense": (lambda q, k, v, m: attention_scores_softmax(q, k, v, m), (k, v, dense), q),
     }
     if baseline is not None:
         paths["pallas_baseline"] = (

@@ -57,7 +57,7 @@ class EvalConfig:
     tree_temperature: float = 1.0  # the tree methods' scoring temperature (SpecConfig)
     gemm_backend: str = "xla"  # the speculative methods' GEMM library on GPU (SpecConfig); AR keeps XLA's
     draft_attention: str = "auto"  # the head's attention (speculative.DRAFT_ATTENTION_IMPLS), held resolved
-    attention: str = "auto"  # AR/verify attention path (qwen3.ATTENTION_IMPLS); auto = Pallas kernel on GPU
+    attention: str = "auto"  # AR/verify attention path (kernels.attention.IMPLEMENTATIONS); auto = Pallas kernel on GPU
     prompt_bucket: int = PROMPT_BUCKET  # each prompt pads to its own multiple of this: larger, fewer compiles
     batch: int = 1  # > 1: up to this many prompts of one padded width per generation call (throughput)
     seed: int = 0

@@ -60,8 +60,8 @@ def generate_tokens(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Arra
                     *, cfg: qwen3.Config, gen: GenerationConfig, cache_len: int,
                     attention: str = "auto") -> GenerationOutput:
     """prompt_tokens (B, P) right-padded, prompt_lens (B,); cache_len >= P + max_new_tokens.
-    `attention`: the decode steps' attention path (qwen3.ATTENTION_IMPLS; auto = the Pallas kernel on
-    GPU, which reads only each sequence's valid cache rows)."""
+    `attention`: the decode steps' attention path (kernels.attention.IMPLEMENTATIONS; auto = the Pallas
+    kernel on GPU, which reads only each sequence's valid cache rows)."""
     b = prompt_tokens.shape[0]
     params = qwen3.fuse_for_decode(params)
     logits, _, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len)

@@ -272,7 +272,7 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, **optio
     params) and give the same tokens at temperature 0 and the same distribution at temperature > 0
     (`budget`, `width`, `max_depth`). `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`;
     `chat` applies the chat template (with `system_prompt`); `max_cache_len` fixes the cache size.
-    `attention` picks the attention path of decode steps and verify passes (see qwen3.ATTENTION_IMPLS;
+    `attention` picks the attention path of decode steps and verify passes (kernels.attention.IMPLEMENTATIONS;
     "auto" is a Pallas tree kernel on GPU). Prompts are right-padded to a multiple of `prompt_bucket`:
     a larger bucket means fewer shapes to compile. `tree_temperature` divides the head's logits before
     the tree is scored and `gemm_backend` picks the speculative loop's GEMM library on GPU;

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jetspec_jax.autoregressive import GenerationConfig, is_stop_token, prefill
+from jetspec_jax.kernels.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS
 from jetspec_jax.kernels.top_k import IMPLEMENTATIONS as TOP_K_IMPLS
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS
@@ -32,7 +33,6 @@ from jetspec_jax.tree import (Tree, internal_nodes, max_internal_nodes, select_c
                               validate_tree_settings)
 from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
 
-ATTENTION_IMPLS = qwen3.ATTENTION_IMPLS
 # the head's: a dense mask or the tree kernel; auto = the kernel on GPU (it drafts 1.1-1.8x faster on the H200,
 # jetspec-tc's second pass 1.1-4x: benchmarks/results/spec_step_breakdown_tree_causal_batch*_h200.json)
 DRAFT_ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -87,7 +87,7 @@ class SpecConfig:
     budget: int = 64  # tree nodes verified per step, the root included
     width: int = 7  # candidates per depth (ignored by dflash, which uses 1)
     max_depth: int | None = None  # None: as deep as the drafter predicts
-    attention_impl: str = "auto"  # verify attention (qwen3.ATTENTION_IMPLS); auto = a Pallas kernel on GPU
+    attention_impl: str = "auto"  # verify attention (kernels.attention.IMPLEMENTATIONS); auto = a Pallas kernel on GPU
     tree_impl: str = "auto"  # tree builder (kernels.tree_build.IMPLEMENTATIONS); auto = Pallas kernel on GPU
     compact_impl: str = "auto"  # cache compaction (kernels.cache_compact.IMPLEMENTATIONS); auto = Pallas on GPU
     top_k_impl: str = "auto"  # the per-depth top-W over the vocabulary (kernels.top_k); auto = Pallas on GPU

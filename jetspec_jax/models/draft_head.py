@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.kernels import precision
+from jetspec_jax.kernels.attention import attention_scores_softmax
 from jetspec_jax.kernels.prefix_attention import prefix_attention, prefix_attention_supported
 from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
 from jetspec_jax.kv_cache import write_block
@@ -224,7 +225,7 @@ def head_layer(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, c
     q, k, v = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
     keys = jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], axis=1)
     values = jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], axis=1)
-    attn = qwen3.attention_scores_softmax(q, keys, values, mask)
+    attn = attention_scores_softmax(q, keys, values, mask)
     return qwen3.finish_layer(x, attn, layer, layer_cfg, 0)
 
 

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jetspec_jax.kernels import precision
-from jetspec_jax.kernels.tree_attention import (default_implementation as default_tree_attention, pack_tree_mask,
-                                                 tree_attention)
+from jetspec_jax.kernels.attention import cache_attention, cache_visibility
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models.params import ParamSpec
 
@@ -364,50 +363,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret", "prefill")
-
-
-def block_attention_mask(lengths: jax.Array, block_len: int, max_len: int,
-                         block_mask: jax.Array | None) -> jax.Array:
-    """(B, T, S) bool over cache slots: the committed prefix is always visible; slots written by
-    this block (lengths .. lengths+T-1) are visible where `block_mask` (B, T, T) allows, causal if None."""
-    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - lengths[:, None]  # (B, S)
-    in_prefix = rel < 0
-    in_block = (rel >= 0) & (rel < block_len)
-    rel_b = jnp.clip(rel, 0, block_len - 1)
-    if block_mask is None:
-        visible = rel_b[:, None, :] <= jnp.arange(block_len, dtype=jnp.int32)[None, :, None]
-    else:
-        b = lengths.shape[0]
-        index = jnp.broadcast_to(rel_b[:, None, :], (b, block_len, max_len))
-        visible = jnp.take_along_axis(block_mask.astype(bool), index, axis=2)
-    return in_prefix[:, None, :] | (in_block[:, None, :] & visible)
-
-
-def attention_scores_softmax(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q (B,T,H,hd), k/v (B,S,Hkv,hd), mask (B,T,S) -> (B,T,H,hd).
-    Scores and softmax in fp32."""
-    b, t, h, hd = q.shape
-    hkv = k.shape[2]
-    q = q.reshape(b, t, hkv, h // hkv, hd)
-    scores = precision.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(hd))
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = precision.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, hd).astype(q.dtype)
-
-
-def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention of a block over itself, q (B,T,H,hd), k/v (B,T,Hkv,hd): cuDNN's fused kernel
-    on GPU for bf16/f16 (memory linear in T), `attention_scores_softmax` elsewhere (its dots take the
-    operands' precision, which jax.nn.dot_product_attention's XLA path leaves to the global default)."""
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(q.dtype)
-    b, t = q.shape[:2]
-    return attention_scores_softmax(q, k, v, jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)))
-
-
 def project_qkv(x: jax.Array, layer: Mapping[str, jax.Array], cfg: Config):
     if "wqkv" in layer:  # fused for decoding (see fuse_for_decode)
         q, k, v = jnp.split(precision.matmul(x, layer["wqkv"]), _qkv_splits(cfg), axis=-1)
@@ -522,51 +477,22 @@ def forward(
     is always visible. `cache.lengths` is not advanced.
     tap_layers: layer indices whose outputs to return (HF hidden_states[i+1]), as (B, T, n, D).
     logits_indices: (B, K) block positions whose logits to compute; None computes all T.
-    attention_impl: "auto" (a Pallas kernel on GPU, picked per call by `tree_attention`; "xla"
-    elsewhere), "xla" (dense mask over the cache), "cudnn" (the same dense mask through
-    jax.nn.dot_product_attention's cuDNN path; GPU, bf16/fp16 only), "pallas" / "pallas_interpret"
-    (the tree attention kernel with a packed block mask; see jetspec_jax/kernels/tree_attention.py), or "mosaic" /
-    "mosaic_interpret" (Hopper's Mosaic GPU kernel where it takes the call, trees of 64k nodes, and
-    the Triton one elsewhere), or "prefill" (the block attends causally to itself alone, for a
-    cache that is empty before it: fused attention with no (T, S) mask, cuDNN's on GPU in bf16).
+    attention_impl: the attention path asked of `kernels.attention` (its IMPLEMENTATIONS; "auto" lets
+    it pick a kernel by platform and shape).
     Returns (logits (B, T or K, V) fp32, taps or None, cache).
     """
-    b, t = tokens.shape
+    t = tokens.shape[1]
     max_len = cache.max_len
     dtype = params["embed"].dtype
-    if attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl {attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}")
-    if attention_impl == "auto" and default_tree_attention() == "xla":
-        attention_impl = "xla"  # on GPU "auto" goes to tree_attention, which picks a kernel per call
-    if attention_impl in ("pallas", "cudnn", "mosaic") and jax.default_backend() != "gpu":
-        raise ValueError(f"attention {attention_impl!r} runs only on a GPU (this backend is "
-                         f"{jax.default_backend()}); use 'auto' or 'xla'"
-                         + (f", or '{attention_impl}_interpret' for the kernel's semantics"
-                            if attention_impl != "cudnn" else ""))
+    visibility = cache_visibility(cache.lengths, t, max_len, mask, attention_impl)
     x = params["embed"][tokens].astype(dtype)
     cos, sin = rope_tables(positions, rope_inverse_frequencies(cfg))
-    if attention_impl == "prefill":
-        if mask is not None:
-            raise ValueError("attention 'prefill' is causal over the block; it takes no mask")
-    elif attention_impl in ("xla", "cudnn"):
-        attn_mask = block_attention_mask(cache.lengths, t, max_len, mask)
-    else:
-        block = jnp.tril(jnp.ones((t, t), bool))[None] if mask is None else mask
-        packed_mask = pack_tree_mask(jnp.broadcast_to(block, (b, t, t)))
     new_k, new_v, taps = list(cache.k), list(cache.v), []
     for i, layer in enumerate(params["layers"]):
         q, k, v = attention_inputs(x, layer, cfg, cos, sin)
         new_k[i] = write_block(new_k[i], k, cache.lengths)
         new_v[i] = write_block(new_v[i], v, cache.lengths)
-        if attention_impl == "prefill":
-            attn = causal_self_attention(q, k, v)
-        elif attention_impl == "xla":
-            attn = attention_scores_softmax(q, new_k[i], new_v[i], attn_mask)
-        elif attention_impl == "cudnn":
-            attn = jax.nn.dot_product_attention(q, new_k[i], new_v[i], mask=attn_mask[:, None],
-                                                implementation="cudnn")
-        else:
-            attn = tree_attention(q, new_k[i], new_v[i], cache.lengths, packed_mask, implementation=attention_impl)
+        attn = cache_attention(q, k, v, new_k[i], new_v[i], cache.lengths, visibility)
         x = finish_layer(x, attn, layer, cfg, i)
         if i in tap_layers:
             taps.append(x)
