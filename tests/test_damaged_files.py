@@ -169,6 +169,38 @@ def test_embedded_model_is_checked_by_its_sha256(gguf_original, tmp_path, capsys
     assert REINSTALL in line
 
 
+def with_flipped_quants(data: bytes, where) -> bytes:
+    """64 KiB of token_embd's int8 quants inverted, its f16 block scales kept: every value stays finite
+    and every structure intact, so only a hash can tell."""
+    out = bytearray(data)
+    for block in range(where["embed_scale"], where["embed_scale"] + 2048 * 34, 34):  # Q8_0: scale, 32 quants
+        out[block + 2:block + 34] = bytes(b ^ 0xFF for b in out[block + 2:block + 34])
+    return bytes(out)
+
+
+def test_a_damaged_copy_of_the_embedded_model_given_as_model_is_checked_by_its_sha256(gguf_original, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """Given by --model, a copy of the embedded model with 64 KiB of flipped quants ran to exit 0 with
+    garbage text: only the default path was hashed. A copy is known by its size and its name, or its
+    size and metadata (first MiB) when renamed; an intact copy passes. (Before the hash's error comes
+    the loader's where it finds the damage: test_flipped_bytes_in_gguf's copies; skipped here.)"""
+    monkeypatch.setattr(target_module, "load_gguf", lambda *a: None)
+    data, where = gguf_original
+    damaged = with_flipped_quants(data, where)
+    named = tmp_path / target_module.EMBEDDED_FILE
+    named.write_bytes(damaged)
+    line = generate_error(capsys, named)
+    assert line.startswith(f"error: {named}: damaged: its sha256 is "), line
+    assert f"copy it again from {target_module.installed_embedded_path()}" in line and REINSTALL in line, line
+
+    renamed = tmp_path / "model.gguf"
+    renamed.write_bytes(damaged)
+    with pytest.raises(target_module.DamagedFileError, match="damaged: its sha256 is "):
+        target_module.resolve_target_path(str(renamed))
+    renamed.write_bytes(data)
+    assert target_module.resolve_target_path(str(renamed)) == str(renamed)
+
+
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directory
 

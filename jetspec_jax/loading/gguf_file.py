@@ -237,6 +237,11 @@ def gguf_config(reader, path: str) -> qwen3.Config:
 
 
 def load_gguf(path: str, dtype) -> tuple[qwen3.Config, Any]:
+    """(cfg, params) of a GGUF file. Checked: the header, the metadata, that every tensor lies inside the
+    file without overlapping another and fits the config, and that every dequantised value is finite.
+    Not checked: the bytes of the quantised weights themselves. GGUF carries no checksum, so a damaged
+    quant byte loads as a slightly different model; only the embedded model has a known sha256, which
+    target.resolve_target_path compares (for a copy of it as well)."""
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     try:
