@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 import time
 import warnings
 import zlib
@@ -19,8 +20,9 @@ import jax
 import numpy as np
 
 CACHE_DIR_ENV = "JETSPEC_CACHE_DIR"
-# Bump when what a weights entry holds changes; the loader's source is hashed into the key as well.
-WEIGHTS_FORMAT = 1
+# Bump when what a weights or tokenizer entry holds changes; the loader's source is hashed into the key
+# as well. 2: the weights entry's config and the whole tokenizer entry carry a crc32 too.
+WEIGHTS_FORMAT = 2
 _MIB = 1 << 20
 
 _weights_dir: str | None = None  # set by configure(); None = load GGUF files from scratch
@@ -58,6 +60,8 @@ def enable_compilation_cache(cache_dir: str) -> str | None:
     jax_persistent_cache_enable_xla_caches). Returns the folder, or None if it is not writable."""
     if not writable_dir(cache_dir, "compilation cache"):
         return None
+    _replace_unloadable_compilation_entries()
+    remove_orphaned_temporaries(cache_dir)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # small GPU programs pay too
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size threshold
@@ -75,6 +79,79 @@ def _reset_jax_cache() -> None:
     from jax.experimental.compilation_cache import compilation_cache
 
     compilation_cache.reset_cache()
+
+
+class ReplacingFileCache:
+    """jax's persistent compilation cache (`base`, its LRUCache), except that an entry jax could not
+    load is replaced, and (unless jax evicts entries: it then writes them itself) entries are written
+    atomically, so a writer killed mid-write leaves a temporary file instead of a garbled entry.
+
+    jax compiles and stores a program only when get() gave it nothing usable, so a put() for a key whose
+    get() returned bytes in this process means those bytes could not be loaded (jax has warned "Error
+    reading persistent compilation cache entry"). LRUCache.put keeps an existing file, so without this
+    the garbled entry stayed, and every start warned and compiled that program again."""
+
+    def __init__(self, base, folder: str, entry_suffix: str):
+        self.base, self.folder, self.entry_suffix = base, folder, entry_suffix  # jax's entry: KEY + suffix
+        self.returned: set[str] = set()  # keys whose bytes get() handed to jax
+        self.lock = threading.Lock()  # programs compile in a thread pool (compilation.py)
+
+    @property
+    def _path(self):  # jax logs it when the cache is reset
+        return getattr(self.base, "_path", self.folder)
+
+    def get(self, key: str) -> bytes | None:
+        value = self.base.get(key)
+        if value is not None:
+            with self.lock:
+                self.returned.add(key)
+        return value
+
+    def put(self, key: str, value: bytes) -> None:
+        with self.lock:
+            unloadable = key in self.returned
+            self.returned.discard(key)
+        entry = os.path.join(self.folder, key + self.entry_suffix)
+        if unloadable:
+            try:
+                os.unlink(entry)
+            except FileNotFoundError:  # another process replaced it just now
+                pass
+            warnings.warn(f"compilation cache entry {entry} could not be loaded; replaced it with the program "
+                          "compiled now", CacheWarning, stacklevel=2)
+        if getattr(self.base, "eviction_enabled", True):
+            self.base.put(key, value)  # under its lock, with the access times its eviction reads
+        elif not os.path.exists(entry):
+            # not ending in the entry suffix: jax's eviction (in another process) counts every file that does
+            _write_atomic(entry, lambda tmp: _write_bytes(tmp, value), temp_suffix=key + ".part")
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _replace_unloadable_compilation_entries() -> None:
+    """Has jax build its file cache as a ReplacingFileCache, once per process. jax has no public hook for
+    the cache object; where its internals differ from jax 0.10's, its own cache stays in use."""
+    try:
+        from jax._src import compilation_cache as jax_cache
+        from jax._src.lru_cache import _CACHE_SUFFIX as entry_suffix
+    except ImportError:
+        return
+    make = getattr(jax_cache, "get_file_cache", None)
+    if make is None or getattr(make, "replaces_unloadable_entries", False):
+        return
+
+    def get_file_cache(path):
+        made = make(path)
+        if made is None or "://" in str(path):  # a remote folder: leave it to jax
+            return made
+        base, folder = made
+        return ReplacingFileCache(base, str(folder), entry_suffix), folder
+
+    get_file_cache.replaces_unloadable_entries = True
+    jax_cache.get_file_cache = get_file_cache
 
 
 def configure(cache_dir: str | None = None, enabled: bool = True) -> str | None:
@@ -142,10 +219,12 @@ def _entry_prefix(folder: str, path: str) -> str:
     return os.path.join(folder, f"{name}-{where}")
 
 
-def _write_atomic(path: str, write) -> None:
-    """write(tmp_path) then rename: a reader never sees half an entry, and writers do not collide."""
+def _write_atomic(path: str, write, temp_suffix: str | None = None) -> None:
+    """write(tmp_path) then rename: a reader never sees half an entry, and writers do not collide. The
+    temporary file is .tmp-XXXXXXXX followed by temp_suffix (default: the entry's name)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.basename(path))
+    suffix = os.path.basename(path) if temp_suffix is None else temp_suffix
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=suffix)
     os.close(fd)
     try:
         write(tmp)
@@ -158,6 +237,10 @@ def _write_atomic(path: str, write) -> None:
 
 def _crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
+
+
+def _text_crc(text: str) -> int:
+    return zlib.crc32(text.encode())
 
 
 def _config_from_json(data: dict[str, Any]):
@@ -176,14 +259,16 @@ def save_weights(entry: str, cfg, params) -> None:
 
     leaves, _ = jax.tree_util.tree_flatten_with_path(params)
     flat = {path_to_str(p): np.asarray(v) for p, v in leaves}
-    meta = {"format": str(WEIGHTS_FORMAT), "config": json.dumps(dataclasses.asdict(cfg)),
+    config = json.dumps(dataclasses.asdict(cfg))
+    # The config's scalars (eps, rope theta) change no tensor's shape: only a checksum shows their damage.
+    meta = {"format": str(WEIGHTS_FORMAT), "config": config, "config_crc32": str(_text_crc(config)),
             "crc32": json.dumps({k: _crc(v) for k, v in flat.items()})}
     _write_atomic(entry, lambda tmp: save_file(flat, tmp, metadata=meta))
 
 
 def read_weights(entry: str, dtype):
-    """(cfg, params) from an entry, every tensor checked against the config's specs and its crc32;
-    raises ValueError (or the reader's error) for a damaged entry."""
+    """(cfg, params) from an entry, the config checked against its crc32 and every tensor against the
+    config's specs and its own crc32; raises ValueError (or the reader's error) for a damaged entry."""
     import jax.numpy as jnp
     from safetensors import safe_open
 
@@ -194,6 +279,8 @@ def read_weights(entry: str, dtype):
         meta = f.metadata() or {}
         if meta.get("format") != str(WEIGHTS_FORMAT):
             raise ValueError(f"format {meta.get('format')!r}, expected {WEIGHTS_FORMAT}")
+        if meta.get("config_crc32") != str(_text_crc(meta["config"])):
+            raise ValueError("its config does not match its checksum")
         cfg = _config_from_json(json.loads(meta["config"]))
         crcs = json.loads(meta["crc32"])
         specs = qwen3.param_specs(cfg)
@@ -209,9 +296,15 @@ def read_weights(entry: str, dtype):
     return cfg, unflatten_like(specs, jax.device_put(flat))  # one transfer: 272 separate ones took 2 s
 
 
+def _tokenizer_crc(tokenizer_json: dict[str, Any]) -> int:
+    # Over the parsed content (keys sorted), so that whatever bytes decode to other text fail the check.
+    return _text_crc(json.dumps(tokenizer_json, sort_keys=True))
+
+
 def save_tokenizer(entry: str, tokenizer) -> None:
-    """The built tokenizer (gguf_tokenizer.ChatTokenizer) as JSON."""
-    payload = {"format": WEIGHTS_FORMAT, **tokenizer.to_json()}
+    """The built tokenizer (gguf_tokenizer.ChatTokenizer) as JSON, with a crc32 of its content."""
+    content = tokenizer.to_json()
+    payload = {"format": WEIGHTS_FORMAT, "crc32": _tokenizer_crc(content), "tokenizer": content}
 
     def write(tmp):
         with open(tmp, "w") as f:
@@ -220,13 +313,18 @@ def save_tokenizer(entry: str, tokenizer) -> None:
 
 
 def read_tokenizer(entry: str):
+    """The tokenizer of an entry checked against its crc32 (a flipped bit in the chat template or the
+    vocabulary still parses); raises ValueError (or the reader's error) for a damaged entry."""
     from jetspec_jax.loading.gguf_tokenizer import ChatTokenizer
 
     with open(entry) as f:
         payload = json.load(f)
     if payload.get("format") != WEIGHTS_FORMAT:
         raise ValueError(f"format {payload.get('format')!r}, expected {WEIGHTS_FORMAT}")
-    return ChatTokenizer.from_json(payload)
+    content = payload.get("tokenizer")
+    if not isinstance(content, dict) or payload.get("crc32") != _tokenizer_crc(content):
+        raise ValueError("its content does not match its checksum")
+    return ChatTokenizer.from_json(content)
 
 
 def _cached(entry: str, read, what: str):
@@ -263,6 +361,25 @@ def remove_stale_entries(prefix: str, key: str) -> None:
     folder, stem = os.path.split(prefix)
     name = re.escape(stem) + r"-([0-9a-f]{24})-(?:[a-z0-9]+\.safetensors|tokenizer\.json)"
     entry, temporary = re.compile(name), re.compile(r"\.tmp-[a-z0-9_]+" + name)
+
+    def stale(file: str, path: str) -> bool:
+        if found := entry.fullmatch(file):
+            return found[1] != key
+        return bool(temporary.fullmatch(file)) and _orphaned(path)
+    _remove_files(folder, stale)
+
+
+def remove_orphaned_temporaries(folder: str) -> None:
+    """Removes the temporary files (.tmp-*) of writers killed mid-write, untouched for ORPHAN_SECONDS."""
+    _remove_files(folder, lambda file, path: file.startswith(".tmp-") and _orphaned(path))
+
+
+def _orphaned(path: str) -> bool:
+    return time.time() - os.stat(path).st_mtime > ORPHAN_SECONDS
+
+
+def _remove_files(folder: str, doomed) -> None:
+    """Removes the files of `folder` for which doomed(name, path) is true."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -270,9 +387,7 @@ def remove_stale_entries(prefix: str, key: str) -> None:
     for file in names:
         path = os.path.join(folder, file)
         try:
-            if (found := entry.fullmatch(file)) and found[1] != key:
-                os.unlink(path)
-            elif temporary.fullmatch(file) and time.time() - os.stat(path).st_mtime > ORPHAN_SECONDS:
+            if doomed(file, path):
                 os.unlink(path)
         except OSError:  # removed by another process meanwhile, or not ours to remove
             pass

@@ -3,13 +3,16 @@ the weights cache gives the fresh load's arrays bit for bit, and a bad cache nev
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_tiny_gguf
@@ -66,6 +69,79 @@ def test_weights_cache_is_bit_identical_and_rebuilds_damaged_entries(tiny_gguf, 
         assert f.read() != bytes(data)  # rewritten
     assert_same_target(cache.load_gguf_target(tiny_gguf, dtype, folder=str(tmp_path)), fresh)
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_flipped_bits_in_the_cached_tokenizer_or_config_rebuild_the_entry(tiny_gguf, tmp_path):
+    """Two flipped bits in the cached chat template still parse, as another template, and one in the
+    config's rope_theta as another model: both were used silently. Their checksums now send the load to
+    the file, which rewrites the entries; the next load reads them without a warning."""
+    fresh = cache.load_gguf_target(tiny_gguf, "float32")
+    cache.load_gguf_target(tiny_gguf, "float32", folder=str(tmp_path))
+    [weights] = entries(tmp_path, "-float32.safetensors")
+    [tokenizer] = entries(tmp_path, "-tokenizer.json")
+    data = bytearray(open(tokenizer, "rb").read())
+    at = data.index(b"add_generation_prompt")
+    data[at] ^= 0x20  # 'a' -> 'A'
+    data[at + 4] ^= 0x01  # 'g' -> 'f'
+    open(tokenizer, "wb").write(bytes(data))
+    data = bytearray(open(weights, "rb").read())
+    at = data.index(b"10000.0", data.index(b"rope_theta"))
+    data[at] ^= 0x02  # 10000.0 -> 30000.0
+    open(weights, "wb").write(bytes(data))
+    with pytest.warns(CacheWarning, match="does not match its checksum") as caught:
+        assert_same_target(cache.load_gguf_target(tiny_gguf, "float32", folder=str(tmp_path)), fresh)
+    assert sum(issubclass(w.category, CacheWarning) for w in caught) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        assert_same_target(cache.load_gguf_target(tiny_gguf, "float32", folder=str(tmp_path)), fresh)
+
+
+def test_a_garbled_compilation_cache_entry_is_replaced(tmp_path):
+    """jax warns about an entry it cannot load and compiles the program again, but keeps the entry: every
+    start warned and compiled again. Now the entry is rewritten, and the next start loads it. Entries
+    are written atomically; a killed writer's temporary file goes once it is old."""
+    folder = tmp_path / "xla"
+    folder.mkdir()
+    orphan, running = folder / ".tmp-k1ll3d_0jit_f-0123.part", folder / ".tmp-wr1t1ng0jit_f-4567.part"
+    orphan.write_bytes(b"x")
+    running.write_bytes(b"x")
+    long_ago = time.time() - 2 * cache.ORPHAN_SECONDS
+    os.utime(orphan, (long_ago, long_ago))
+    folder = str(folder)
+    assert cache.enable_compilation_cache(folder) == folder
+    assert not orphan.exists() and running.exists()
+    running.unlink()
+    events = collections.Counter()
+
+    def count(name, **kwargs):
+        events[name.rsplit("/", 1)[-1]] += 1
+
+    def garbled_entry_program(x):
+        return jnp.sin(x) * 3 + x @ x.T
+
+    def start() -> list[str]:
+        """Runs the program as a new process would (jax's in-memory caches emptied); its warnings."""
+        jax.clear_caches()
+        events.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.jit(garbled_entry_program)(np.ones((8, 8), np.float32)).block_until_ready()
+        return [str(w.message) for w in caught if "compilation cache" in str(w.message)]
+
+    jax.monitoring.register_event_listener(count)
+    try:
+        assert start() == [] and events["cache_misses"] == 1
+        [entry] = entries(folder, "-cache")
+        data = bytearray(open(entry, "rb").read())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 64])
+        open(entry, "wb").write(bytes(data))
+        jax_warning, ours = start()
+        assert "Error reading persistent compilation cache entry" in jax_warning
+        assert ours.startswith(f"compilation cache entry {entry} could not be loaded; replaced it")
+        assert open(entry, "rb").read() != bytes(data) and not [f for f in os.listdir(folder) if f.startswith(".tmp-")]
+        assert start() == [] and events["cache_hits"] == 1 and events["cache_misses"] == 0
+    finally:
+        jax.monitoring.unregister_event_listener(count)
 
 
 def test_a_changed_file_replaces_its_entries(tiny_gguf, tmp_path):
