@@ -61,7 +61,7 @@ class LiveServer:
         import uvicorn
 
         from jetspec_jax.serve.engine import Engine
-        from jetspec_jax.serve.http_server import create_app
+        from jetspec_jax.serve.http_server import create_app, uvicorn_config
 
         options = parse_variant(variant)
         name = options["name"]
@@ -79,7 +79,7 @@ class LiveServer:
         self.engine.warm_up.wait(progress_bar=True)
         self.port = free_port()
         app = create_app(self.engine, target.tokenizer, "target")
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

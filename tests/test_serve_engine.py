@@ -21,7 +21,7 @@ from jetspec_jax.generate import pad_prompts, random_head
 from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.engine import (Engine, EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
-                                      SamplingParams, TokenEvent)
+                                      RequestHandle, SamplingParams, TokenEvent)
 from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_generate
 
 EOS = 7  # a token the random tiny model emits now and then, so some requests stop early
@@ -285,9 +285,47 @@ def test_queue_is_bounded(target, heads):
     engine = Engine(target, heads["ar"], method="ar", slots=2, max_len=128, max_queue=3)  # not started
     for _ in range(5):
         engine.submit(EngineRequest([1, 2], 4))
-    with pytest.raises(QueueFullError, match="retry later"):
+    # what is full, not "all 2 slots are busy": none is, the 5 requests wait in the queue
+    with pytest.raises(QueueFullError, match=r"\(2 slots \+ a queue of 3\): 0 decoding and 5 queued; retry later"):
         engine.submit(EngineRequest([1, 2], 4))
     engine.shutdown()
+
+
+def test_requests_cancelled_while_queued_count_as_finished(target):
+    """They leave the queue before any admission (so nothing compiles here) and /metrics counts them."""
+    engine = Engine(target, None, method="ar", slots=2, max_len=128)
+    handles = [engine.submit(EngineRequest([1, 2], 4)) for _ in range(3)]
+    for handle in handles:
+        handle.cancel()
+    engine.start()
+    try:
+        assert [collect(h)[1].reason for h in handles] == ["cancelled"] * 3
+        m = engine.metrics()
+        assert m["requests_finished"] == m["requests_total"] == 3 and m["queue_depth"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_the_device_cannot_take_fails_alone(target):
+    """A request that got past submit's checks with a top_k the device's int32 cannot hold (the server's
+    top_k of 2**31 did, and its exception closed the engine for good) ends with an error; the requests
+    admitted with it and after it are served, and the engine stays up. (One token each: they end at
+    admission, so no chunk compiles.)"""
+    engine = Engine(target, None, method="ar", slots=2, max_len=128, stop_token_ids=())
+    good = engine.submit(EngineRequest(PROMPTS[0], 1))
+    bad = RequestHandle(EngineRequest(PROMPTS[1], 1, SamplingParams(temperature=1.0, top_k=2**31)), None)
+    engine.pending.append(bad)  # as if submit had not checked it
+    engine.start()
+    try:
+        tokens, finish = collect(bad)
+        assert (tokens, finish.reason) == ([], "error") and "top_k" in finish.message
+        tokens, finish = collect(good)
+        assert (len(tokens), finish.reason) == (1, "length")
+        tokens, finish = collect(engine.submit(EngineRequest(PROMPTS[1], 1)))
+        assert (len(tokens), finish.reason) == (1, "length")
+        assert engine.failure is None and engine.metrics()["requests_finished"] == 3
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("drain", [True, False])
@@ -317,6 +355,11 @@ def test_bad_requests_name_the_field(target, heads):
         engine.submit(EngineRequest([1], 5, SamplingParams(temperature=1.0, top_p=0.0)))
     with pytest.raises(ValueError, match="temperature"):
         engine.submit(EngineRequest([1], 5, SamplingParams(temperature=-1.0)))
+    for top_k in (98, 2**31, 10**12):  # past the vocabulary of 97; 2**31 killed the device thread (int32)
+        with pytest.raises(ValueError, match="^top_k must be at most the vocabulary size 97"):
+            engine.submit(EngineRequest([1], 5, SamplingParams(temperature=1.0, top_k=top_k)))
+    with pytest.raises(ValueError, match="^prompt: token ids"):
+        engine.submit(EngineRequest([1, 97], 5))
     with pytest.raises(ValueError, match="budget"):
         Engine(target, heads["jetspec"], method="jetspec", budget=1)
     with pytest.raises(ValueError, match="needs a draft head"):

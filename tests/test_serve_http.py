@@ -1,7 +1,9 @@
 """The OpenAI-compatible server, live on 127.0.0.1, through the official `openai` client: outputs at
 temperature 0 equal offline generation (a tiny random model with a character tokenizer, and the
 embedded model with its shipped head), streaming, stop strings, concurrency and admission, client
-disconnects, queue overflow (429), bad requests (400 naming the field) and shutdown under load."""
+disconnects, queue overflow (429), bad requests (400 naming the field), shutdown under load, and the
+edge against hostile clients (API key, JSON only, body size, read deadlines, connection limit, a dead
+engine)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from conftest import make_tiny_checkpoint
 from test_serve_engine import collect
-from jetspec_jax.generate import generate, random_head
+from jetspec_jax.generate import encode_prompts, generate, random_head
+from jetspec_jax.serve.__main__ import warm_up
 from jetspec_jax.serve.engine import Engine, EngineRequest
-from jetspec_jax.serve.http_server import GracefulServer, begin_shutdown, create_app
+from jetspec_jax.serve.http_server import GracefulServer, begin_shutdown, create_app, uvicorn_config
 from jetspec_jax.target import load_target
 
 REQUEST_TIMEOUT = 120.0  # seconds one request may take (first ones compile)
@@ -84,12 +86,15 @@ class Live:
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, tokenizer, graceful: float = 10.0):
-    """A real uvicorn server on a free 127.0.0.1 port, in a background thread."""
-    app = create_app(engine, tokenizer, MODEL, default_max_tokens=16, shutdown_timeout=graceful)
+def serving(engine: Engine, tokenizer, graceful: float = 10.0, api_key: str | None = None,
+            max_body_bytes: int = 1 << 20, **limits):
+    """A real uvicorn server on a free 127.0.0.1 port, in a background thread, set up as the command
+    line sets it up (`limits`: uvicorn_config's read deadlines and connection limit)."""
+    app = create_app(engine, tokenizer, MODEL, default_max_tokens=16, shutdown_timeout=graceful, api_key=api_key,
+                     max_body_bytes=max_body_bytes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = GracefulServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful + 10))
+    server = GracefulServer(uvicorn_config(app, log_level="warning", **limits))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -131,7 +136,8 @@ def tiny_offline(tiny):
 def tiny_server(tiny):
     target, head = tiny
     with serving(Engine(target, head, **TINY_ENGINE).start(), target.tokenizer) as live:
-        chat(live.client(), "warm up", max_tokens=2)  # compiles, so that tests time requests only
+        # compiles, so that tests time requests only: the command line's first-request warm-up
+        warm_up(live.engine, encode_prompts(target.tokenizer, ["warm up"])[0])
         yield live
 
 
@@ -286,6 +292,8 @@ def test_queue_overflow_is_429_and_shutdown_answers_the_queue(tiny):
             with pytest.raises(openai.RateLimitError) as e:
                 chat(client, "one too many", max_tokens=8)
             assert e.value.status_code == 429 and e.value.code == "queue_full"
+        # what is full: both slots are free (nothing was admitted), the 4 requests wait in the queue
+        assert "0 decoding and 4 queued" in e.value.message and "slots are busy" not in e.value.message
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL, prompt="also too many", max_tokens=8, stream=True)
         assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
@@ -299,7 +307,20 @@ def test_queue_overflow_is_429_and_shutdown_answers_the_queue(tiny):
         with pytest.raises(openai.InternalServerError) as e:
             chat(client, "late", max_tokens=8)
         assert e.value.status_code == 503 and e.value.code == "shutting_down"
-    assert engine.metrics()["queue_depth"] == 0
+    m = engine.metrics()
+    assert m["queue_depth"] == 0 and m["requests_finished"] == m["requests_total"] == 4  # cancelled ones count
+
+
+def connection_refused_within(url: str, seconds: float) -> bool:
+    """Whether new connections to `url` are refused within `seconds` (until then a request gets 503)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        except httpx.ConnectError:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def test_shutdown_under_load_finishes_or_cancels_everything(tiny):
@@ -339,7 +360,9 @@ def test_shutdown_under_load_finishes_or_cancels_everything(tiny):
             submitted(6)
             t0 = time.monotonic()
             live.server.handle_exit(signal.SIGTERM, None)
+            refused = connection_refused_within(live.url, 10.0)  # at uvicorn's next tick
             outcomes = [f.result(timeout=60) for f in running + queued]
+        assert refused, "the server still accepted connections 10 s after SIGTERM"
         live.thread.join(60)
         assert not live.thread.is_alive() and time.monotonic() - t0 < graceful + 30
     assert engine.thread is not None and not engine.thread.is_alive()
@@ -361,13 +384,21 @@ BAD_CHAT = [
     (dict(top_p=0), "top_p"),
     (dict(top_p=2), "top_p"),
     (dict(extra_body={"top_k": -1}), "top_k"),
+    (dict(extra_body={"top_k": 2**31}), "top_k"),  # killed the engine's thread (int32) for good
+    (dict(extra_body={"top_k": 10**12}), "top_k"),
+    (dict(extra_body={"top_k": 98}), "top_k"),  # the tiny model's vocabulary is 97
+    (dict(temperature=2.5), "temperature"),  # OpenAI's range is 0..2
+    (dict(max_tokens=True), "max_tokens"),  # strict types: not coerced to 1, 5 or True
+    (dict(max_tokens="5"), "max_tokens"),
+    (dict(extra_body={"stream": "yes"}), "stream"),
+    (dict(temperature="0.5"), "temperature"),
     (dict(n=2), "n"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(stream_options={"include_usage": "maybe"}), "stream_options.include_usage"),
 ]
 
 
-@pytest.mark.parametrize("fields,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+@pytest.mark.parametrize("fields,param", BAD_CHAT, ids=[f"{p}={f}" for f, p in BAD_CHAT])
 def test_bad_chat_request_is_400_naming_the_field(tiny_server, fields, param):
     request = dict(model=MODEL, messages=MESSAGES) | fields
     with pytest.raises(openai.BadRequestError) as e:
@@ -397,6 +428,168 @@ def test_malformed_json_is_400(tiny_server, body):
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_json"
 
 
+# ---- hostile clients --------------------------------------------------------------------------------
+
+SURROGATE_BODIES = [  # JSON's \\ud800 escape decodes to a lone surrogate, which nothing can encode
+    ("completions", '{"model": "test-model", "prompt": "a\\ud800b"}', "prompt"),
+    ("completions", '{"model": "test-model", "prompt": ["\\udfff"]}', "prompt[0]"),
+    ("completions", '{"model": "test-model", "prompt": "hi", "stop": ["\\ud800"]}', "stop[0]"),
+    ("chat/completions", '{"model": "test-model", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("route,body,param", SURROGATE_BODIES, ids=[p for _, _, p in SURROGATE_BODIES])
+def test_lone_surrogate_is_400_not_a_dropped_connection(tiny_server, route, body, param):
+    r = httpx.post(f"{tiny_server.url}/v1/{route}", content=body.encode(),
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and "surrogate" in r.json()["error"]["message"]
+
+
+def test_tokenising_leaves_the_event_loop_free(tiny_server, monkeypatch):
+    """A prompt being tokenised (held here until /health answers) does not stall the other clients:
+    a 5 MB prompt tokenised in the async handler blocked /health for 8 s."""
+    server = tiny_server.app.state.server
+    tokenising, release = threading.Event(), threading.Event()
+
+    def held_text_prompt(body):
+        tokenising.set()
+        assert release.wait(30), "/health never answered while a prompt was being tokenised"
+        return original(body)
+
+    original = server.text_prompt
+    monkeypatch.setattr(server, "text_prompt", held_text_prompt)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        completion = pool.submit(tiny_server.client().completions.create, model=MODEL, prompt="Hi", max_tokens=2,
+                                 temperature=0)
+        assert tokenising.wait(30)
+        try:
+            assert httpx.get(f"{tiny_server.url}/health", timeout=10).json() == {"status": "ok"}
+        finally:
+            release.set()
+        assert completion.result(timeout=REQUEST_TIMEOUT).usage.completion_tokens == 2
+
+
+API_KEY = "test-key"
+EDGE_LIMITS = dict(max_body_bytes=4096, header_timeout=1.0, body_timeout=1.0, max_connections=8)
+
+
+@pytest.fixture(scope="module")
+def edge_server(tiny):
+    """A server with an API key and tight limits around an engine that is never started: the requests
+    these tests send end at the HTTP layer, before any generation (nothing compiles)."""
+    target, _ = tiny
+    engine = Engine(target, None, method="ar", slots=2, max_len=128)
+    with serving(engine, target.tokenizer, api_key=API_KEY, **EDGE_LIMITS) as live:
+        yield live
+
+
+def post(live, body, authorization: str | None = f"Bearer {API_KEY}", content_type: str | None = "application/json",
+         route: str = "chat/completions") -> httpx.Response:
+    headers = {"content-type": content_type} if content_type else {}
+    if authorization is not None:
+        headers["authorization"] = authorization
+    return httpx.post(f"{live.url}/v1/{route}", content=body, headers=headers, timeout=10)
+
+
+def error_of(response: httpx.Response) -> dict:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_api_key_is_required_on_v1_only(edge_server):
+    body = '{"model": "test-model"}'
+    for authorization in (None, "Bearer wrong-key", "Bearer", f"Basic {API_KEY}", f"Bearer {API_KEY}x"):
+        r = post(edge_server, body, authorization=authorization)
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key", (authorization, r.text)
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert post(edge_server, body).status_code == 400  # the key lets it through to validation
+    # closed after use: their pooled connections would count against the server's connection limit
+    with openai.OpenAI(base_url=f"{edge_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=10) as right:
+        assert [m.id for m in right.models.list()] == [MODEL]
+    with openai.OpenAI(base_url=f"{edge_server.url}/v1", api_key="wrong-key", max_retries=0, timeout=10) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            wrong.chat.completions.create(model=MODEL, messages=MESSAGES)
+    for path in ("/health", "/metrics"):  # load balancers and scrapers hold no key
+        assert httpx.get(f"{edge_server.url}{path}", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_post_bodies_must_be_sent_as_json(edge_server, content_type):
+    """What a web page may post to any port without a CORS preflight is refused, JSON or not."""
+    r = post(edge_server, '{"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}',
+             content_type=content_type)
+    assert r.status_code == 415 and error_of(r)["code"] == "unsupported_media_type"
+    assert post(edge_server, "{}", content_type="Application/JSON; charset=utf-8").status_code == 400  # parsed
+
+
+def test_body_over_the_limit_is_413(edge_server):
+    big = '{"model": "test-model", "prompt": "' + "x" * 5000 + '"}'
+    r = post(edge_server, big, route="completions")  # Content-Length says so: refused before reading
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large" and "4096" in error_of(r)["message"]
+    r = post(edge_server, (big[i: i + 1000].encode() for i in range(0, len(big), 1000)), route="completions")
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"  # chunked: counted as it comes
+    assert httpx.get(f"{edge_server.url}/health", timeout=10).status_code == 200
+
+
+def test_stalled_clients_are_disconnected(edge_server):
+    """A connection that sends nothing, half a request head, or a head and half its body is closed by the
+    read deadlines (1 s here), with nothing sent back."""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n").encode()
+    port = int(edge_server.url.rsplit(":", 1)[1])
+    stalls = [b"", head[:30], head + b'{"model": ']
+    sockets = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in stalls]
+    t0 = time.monotonic()
+    for sock, sent in zip(sockets, stalls):
+        sock.sendall(sent)
+    for sock in sockets:
+        with sock:
+            assert sock.recv(1024) == b""  # closed, well before the socket's own 10 s timeout
+    assert time.monotonic() - t0 < 5
+
+
+def test_requests_past_the_connection_limit_get_503(edge_server):
+    port = int(edge_server.url.rsplit(":", 1)[1])
+    limit = EDGE_LIMITS["max_connections"]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(limit - 1)]
+    try:
+        assert httpx.get(f"{edge_server.url}/health", timeout=10).status_code == 503  # the limit's connection
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{edge_server.url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the closed connections still count against the limit"
+        time.sleep(0.05)
+
+
+def test_a_dead_engine_shows_in_health_and_refuses_requests(tiny, monkeypatch):
+    """A device failure stops the engine for good (its slots' state is gone): the request in it fails,
+    /health says so with 503, and new requests get 503 'engine_failed', not 'shutting down'."""
+    target, _ = tiny
+    engine = Engine(target, None, method="ar", slots=2, max_len=128)
+
+    def device_lost():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "_admit_pending", device_lost)
+    with serving(engine.start(), target.tokenizer) as live:
+        client = live.client(timeout=30)
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(client, "hi", max_tokens=2)
+        assert e.value.code == "engine_error" and "device lost" in e.value.message
+        r = httpx.get(f"{live.url}/health", timeout=10)
+        assert r.status_code == 503 and r.json()["status"] == "engine_failed" and "device lost" in r.json()["message"]
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(client, "again", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "engine_failed"
+
+
 # ---- the other endpoints ----------------------------------------------------------------------------
 
 
@@ -412,6 +605,7 @@ def test_models_health_metrics_and_unknown_routes(tiny_server):
     for name in ("tokens_per_second", "tau", "live_slots", "queue_depth", "budget", "requests_total"):
         assert name in m, name
     assert m["budget"] == TINY_ENGINE["budget"] and m["tokens_per_second"] > 0
+    assert m["warm_up_seconds"] > 0  # the first-request warm-up (the fixture's) is recorded, not only the full one
     r = httpx.get(f"{tiny_server.url}/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
 
@@ -431,9 +625,20 @@ def test_same_seed_same_sample(tiny_server, seed):
 def test_cli_bad_settings_are_one_error_line(capsys):
     from jetspec_jax.serve.__main__ import main
 
-    assert main(["--slots", "0", "--port", "70000"]) == 2
+    assert main(["--slots", "0", "--port", "70000", "--max-body-bytes", "0", "--header-timeout", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and err.count("\n") == 1 and "--slots" in err and "--port" in err
+    assert err.startswith("error:") and err.count("\n") == 1
+    assert all(flag in err for flag in ("--slots", "--port", "--max-body-bytes", "--header-timeout")), err
+
+
+def test_cli_api_key_from_the_flag_or_the_environment(monkeypatch):
+    from jetspec_jax.serve.__main__ import build_parser
+
+    monkeypatch.delenv("JETSPEC_API_KEY", raising=False)
+    assert build_parser().parse_args([]).api_key is None
+    monkeypatch.setenv("JETSPEC_API_KEY", "from-env")
+    assert build_parser().parse_args([]).api_key == "from-env"
+    assert build_parser().parse_args(["--api-key", "from-flag"]).api_key == "from-flag"
 
 
 def test_cli_warmup_modes_parse():

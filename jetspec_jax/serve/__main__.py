@@ -2,15 +2,17 @@
 
     python -m jetspec_jax.serve                          # the embedded model and its head, port 8000
     python -m jetspec_jax.serve --model M.gguf --head HEAD_DIR --slots 16 --port 8080
+    JETSPEC_API_KEY=secret python -m jetspec_jax.serve --host 0.0.0.0   # /v1 needs 'Authorization: Bearer secret'
 
 SIGINT/SIGTERM stop it gracefully at any moment: during start-up (loading, warm-up) it stops there and
-exits; once serving, new requests get 503, running ones finish within --shutdown-timeout seconds and the
-rest are cancelled; a second Ctrl-C quits at once."""
+exits; once serving, it stops listening (new connections are refused), running and queued requests finish
+within --shutdown-timeout seconds and the rest are cancelled, each answered; a second Ctrl-C quits at once."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import signal
 import sys
@@ -21,6 +23,8 @@ from typing import Sequence
 from jetspec_jax import cache
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.generate import load_for_cli
+from jetspec_jax.serve.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
+                                      DEFAULT_MAX_CONNECTIONS)
 from jetspec_jax.speculative import GEMM_BACKENDS, METHODS
 
 WARMUP_MODES = ("full", "first", "none")
@@ -48,6 +52,18 @@ def build_parser() -> OneLineErrorParser:
                    help="auto: jetspec when a head ships for the target, else ar (as in jetspec_jax.generate)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("JETSPEC_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $JETSPEC_API_KEY, which, unlike the "
+                        "flag, other users cannot read in the process list; unset: no key)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body; a larger one gets 413")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a client has to send a request's head (from connecting, or from its first byte "
+                        "on a kept-alive connection) before it is disconnected")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a client has to send a request's body, from its head, before it is disconnected")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open connections at which a new request gets 503")
     p.add_argument("--slots", type=int, default=8, help="sequences decoded together; more requests queue")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--max-len", type=int, default=2048, help="cache rows per slot: prompt + answer")
@@ -83,14 +99,23 @@ def build_parser() -> OneLineErrorParser:
 def check_cli_settings(args) -> None:
     problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
                 for name in ("slots", "max_queue", "max_len", "width", "chunk_steps", "max_admit", "min_batch",
-                             "default_max_tokens")
+                             "default_max_tokens", "max_body_bytes", "max_connections")
                 if getattr(args, name) < 1]
     if not 0 <= args.port <= 65535:
         problems.append(f"--port must be in 0..65535, got {args.port}")
     if not args.shutdown_timeout >= 0:
         problems.append(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    problems += [f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
+                 for name in ("header_timeout", "body_timeout") if not getattr(args, name) > 0]
     if problems:
         raise InputError("; ".join(problems))
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def warm_up(engine, prompt_ids: list[int], check=lambda: None, timeout: float = 600.0) -> float:
@@ -111,7 +136,9 @@ def warm_up(engine, prompt_ids: list[int], check=lambda: None, timeout: float = 
             event = handle.get(timeout=0.2)
     if event.reason == "error":
         raise RuntimeError(f"warm-up request failed: {event.message}")
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    engine.stats.add_warm_up(seconds)  # /metrics' warm_up_seconds, as the full warm-up records its own
+    return seconds
 
 
 class StopRequested(Exception):
@@ -161,12 +188,10 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
     engine = None
     with StopSignals() as signals:
         try:
-            import uvicorn
-
             from jetspec_jax.generate import encode_prompts
             from jetspec_jax.models import qwen3
             from jetspec_jax.serve.engine import Engine
-            from jetspec_jax.serve.http_server import GracefulServer, create_app
+            from jetspec_jax.serve.http_server import GracefulServer, create_app, uvicorn_config
 
             signals.check()
             cache.configure(args.cache_dir, enabled=not args.no_cache)
@@ -191,12 +216,16 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
                 print(f"warm-up (compilation) took {seconds:.1f} s", file=sys.stderr)
             name = args.served_model_name or target.name
             app = create_app(engine, target.tokenizer, name, default_max_tokens=args.default_max_tokens,
-                             shutdown_timeout=args.shutdown_timeout)
-            # uvicorn's own deadline is a backstop behind the engine's, which answers what it cancels.
-            config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.shutdown_timeout + 10)
-            print(f"serving {name!r} ({method}, {args.slots} slots) on http://{args.host}:{args.port}/v1",
-                  file=sys.stderr)
+                             shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
+                             max_body_bytes=args.max_body_bytes)
+            config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                                    max_connections=args.max_connections)
+            print(f"serving {name!r} ({method}, {args.slots} slots) on http://{args.host}:{args.port}/v1"
+                  f"{'' if args.api_key is None else ' (API key required)'}", file=sys.stderr)
+            if args.api_key is None and not is_loopback(args.host):
+                print(f"warning: {args.host} is reachable from other machines and no --api-key is set: anyone "
+                      "who reaches the port can use the server", file=sys.stderr)
             signals.check()
             # While it serves, its handlers replace ours and its first signal drains; one that reached ours
             # just before is passed on at its first tick.

@@ -69,6 +69,10 @@ class EngineClosedError(RuntimeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
 
 
+class EngineFailedError(EngineClosedError):
+    """The device thread died (Engine.failure says why): nothing more can be served (HTTP 503)."""
+
+
 class RequestHandle:
     """A submitted request's stream of events; `next()` for asyncio callers, `get()` for threads."""
 
@@ -92,10 +96,13 @@ class RequestHandle:
         except RuntimeError:  # the client's event loop is gone
             self.cancelled.set()
 
-    def finish(self, reason: str, message: str | None = None) -> None:
-        if not self.finished:
-            self.finished = True
-            self.post(FinishEvent(reason, len(self.request.prompt_ids), self.completion_tokens, message))
+    def finish(self, reason: str, message: str | None = None) -> bool:
+        """Posts the FinishEvent; False if the request had finished already."""
+        if self.finished:
+            return False
+        self.finished = True
+        self.post(FinishEvent(reason, len(self.request.prompt_ids), self.completion_tokens, message))
+        return True
 
     async def next(self):
         return await self._events.get()
@@ -171,6 +178,7 @@ class Engine:
         self.compiled: set = set()  # programs run so far (see programs())
         self.last_ready = 0.0  # perf_counter when the last chunk was read
         self.thread: threading.Thread | None = None
+        self.failure: str | None = None  # why the device thread died, if it did: the engine serves no more
         self.warm_up: WarmUp | None = None
         self.stats = EngineStats()
 
@@ -275,17 +283,42 @@ class Engine:
                              f"exceeds the context of {self.max_context} tokens; lower max_tokens or shorten "
                              "the prompt")
 
-    def submit(self, request: EngineRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        vocab = self.target.cfg.vocab_size
+        if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
+            raise ValueError(f"prompt: token ids must be in 0..{vocab - 1}, got "
+                             f"{[t for t in prompt_ids if not 0 <= t < vocab][:4]}")
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Raises ValueError, its message starting with the field's name, for a value the device cannot
+        take: top_k past the vocabulary (the int32 conversion on the device thread failed on 2**31)."""
+        sampling.config()
+        vocab = self.target.cfg.vocab_size
+        if sampling.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab} (0 disables), got {sampling.top_k}")
+        if not math.isfinite(sampling.temperature):
+            raise ValueError(f"temperature must be finite, got {sampling.temperature}")
+
+    def check(self, request: EngineRequest) -> None:
+        """Everything about a request the device needs: submit checks it, the device thread again."""
         self.check_request(len(request.prompt_ids), request.max_new_tokens)
-        request.sampling.config()
+        self.check_prompt(request.prompt_ids)
+        self.check_sampling(request.sampling)
+
+    def submit(self, request: EngineRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        self.check(request)
         handle = RequestHandle(request, loop)
         with self.lock:
+            if self.failure is not None:
+                raise EngineFailedError(f"the engine failed ({self.failure}); the server must be restarted")
             if self.closing:
                 raise EngineClosedError("the server is shutting down")
             busy = sum(o is not None for o in self.owner)
             if busy + len(self.pending) >= self.num_slots + self.max_queue:
-                raise QueueFullError(f"all {self.num_slots} slots are busy and {len(self.pending)} requests "
-                                     "are queued; retry later")
+                # the bound is on slots + queue together: slots free between chunks take queued requests
+                raise QueueFullError(f"the server holds as many requests as it takes ({self.num_slots} slots + "
+                                     f"a queue of {self.max_queue}): {busy} decoding and {len(self.pending)} "
+                                     "queued; retry later")
             self.pending.append(handle)
             self.stats.requests_total += 1
             self.lock.notify()
@@ -315,10 +348,7 @@ class Engine:
         if self.thread is not None:
             self.thread.join(max(0.0, deadline - time.monotonic()) + 60.0)
         with self.lock:  # the thread never started, or stopped: nothing may be left waiting
-            for handle in list(self.pending) + [o for o in self.owner if o is not None]:
-                handle.finish("cancelled", "the server shut down")
-            self.pending.clear()
-            self.owner = [None] * self.num_slots
+            self._end_all("cancelled", "the server shut down")
 
     def metrics(self) -> dict[str, Any]:
         with self.lock:
@@ -353,11 +383,20 @@ class Engine:
         except Exception as e:  # a device failure ends every request with an error, never a hang
             log.exception("engine failed")
             with self.lock:
+                self.failure = f"{type(e).__name__}: {e}"
                 self.closing = True
-                for handle in list(self.pending) + [o for o in self.owner if o is not None]:
-                    handle.finish("error", f"engine failure: {e}")
-                self.pending.clear()
-                self.owner = [None] * self.num_slots
+                self._end_all("error", f"engine failure: {e}")
+
+    def _end_all(self, reason: str, message: str) -> None:
+        """Ends every queued and running request (the caller holds the lock)."""
+        for handle in list(self.pending) + [o for o in self.owner if o is not None]:
+            self._finish(handle, reason, message)
+        self.pending.clear()
+        self.owner = [None] * self.num_slots
+
+    def _finish(self, handle: RequestHandle, reason: str, message: str | None = None) -> None:
+        if handle.finish(reason, message):
+            self.stats.add_finished()
 
     def _wait_for_work(self, launched: bool) -> bool:
         """Whether to go round the loop again: requests to serve, or a launched chunk still to read."""
@@ -367,10 +406,7 @@ class Engine:
                 if self.closing:
                     out_of_time = not self.drain or time.monotonic() >= self.deadline
                     if out_of_time or not (busy or self.pending):
-                        for handle in list(self.pending) + [o for o in self.owner if o is not None]:
-                            handle.finish("cancelled", "the server shut down")
-                        self.pending.clear()
-                        self.owner = [None] * self.num_slots
+                        self._end_all("cancelled", "the server shut down")
                         return False
                     return True
                 if busy or self.pending or launched:
@@ -381,18 +417,17 @@ class Engine:
         with self.lock:
             for handle in [h for h in self.pending if h.cancelled.is_set()]:
                 self.pending.remove(handle)
-                handle.finish("cancelled")
+                self._finish(handle, "cancelled")
         for i, handle in enumerate(self.owner):
             if handle is not None and handle.cancelled.is_set():
                 self.slots = device.release(self.slots, i)
                 self._free(i, "cancelled")
 
-    def _free(self, index: int, reason: str) -> None:
+    def _free(self, index: int, reason: str, message: str | None = None) -> None:
         handle = self.owner[index]
         with self.lock:
             self.owner[index] = None
-        handle.finish(reason)
-        self.stats.requests_finished += 1
+        self._finish(handle, reason, message)
 
     def _owns(self, index: int, handle: RequestHandle) -> bool:
         """Whether `handle` still holds slot `index`: tokens read after it was cancelled (and the slot
@@ -411,15 +446,28 @@ class Engine:
                     self.owner[index] = handle
             if not group:
                 return admissions
-            admissions.append(self._admit(free[: len(group)], group))
+            admission = self._admit(free[: len(group)], group)
+            if admission is not None:
+                admissions.append(admission)
 
-    def _admit(self, indices: list[int], handles: list[RequestHandle]) -> Admission:
-        requests = []
+    def _admission_row(self, index: int, request: EngineRequest) -> tuple:
+        self.check(request)
+        seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
+            np.random.bytes(4), "little")
+        return index, request.prompt_ids, request.sampling.config(), request.max_new_tokens, seed
+
+    def _admit(self, indices: list[int], handles: list[RequestHandle]) -> Admission | None:
+        requests, admitted = [], []
         for index, handle in zip(indices, handles):
-            request = handle.request
-            seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
-                np.random.bytes(4), "little")
-            requests.append((index, request.prompt_ids, request.sampling.config(), request.max_new_tokens, seed))
+            try:
+                requests.append(self._admission_row(index, handle.request))
+                admitted.append(handle)
+            except Exception as e:  # one request the device cannot take (one that skipped submit) fails alone
+                log.exception("request %r cannot be admitted", handle.request.request_id)
+                self._free(index, "error", f"the request cannot be admitted: {e}")
+        if not requests:
+            return None
+        indices, handles = [r[0] for r in requests], admitted
         args, kwargs = self._admit_call(requests)
         rows = args[4].shape
         program = ("admit", rows[1], rows[0])
@@ -514,12 +562,12 @@ class EngineStats:
         self.window = window
         self.lock = threading.Lock()
         self.recent: collections.deque = collections.deque()  # (time, tokens, forwards, accepted)
-        self.requests_total = self.requests_finished = 0
+        self.requests_total = self.requests_finished = 0  # finished: ended for any reason, cancelled included
         self.tokens_total = self.prompt_tokens_total = 0
         self.admissions = self.admitted = 0  # admission calls, and the requests they prefilled
         self.admission_seconds = 0.0  # from launching admissions to reading their first tokens (without overlap)
         self.compile_seconds = 0.0  # launch calls of admissions and chunks that compiled their program
-        self.warm_up_seconds = 0.0  # the full warm-up (warmup.py), which compiles every program first
+        self.warm_up_seconds = 0.0  # the warm-up before serving: the full one (warmup.py) or a first request
         self.budget: int | None = None
         self.history: list[dict] | None = None  # a benchmark sets a list to keep every chunk
 
@@ -530,6 +578,10 @@ class EngineStats:
     def add_warm_up(self, seconds: float) -> None:
         with self.lock:
             self.warm_up_seconds += seconds
+
+    def add_finished(self) -> None:
+        with self.lock:
+            self.requests_finished += 1
 
     def add_admission(self, prompt_tokens: list[int]) -> None:
         with self.lock:

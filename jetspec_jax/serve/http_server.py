@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hmac
 import json
 import logging
 import math
@@ -13,15 +15,20 @@ import signal
 import threading
 from typing import Any, AsyncIterator, NamedTuple
 
+import h11
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jetspec_jax.serve.detokenize import IncrementalText
-from jetspec_jax.serve.engine import (EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
-                                      SamplingParams, TokenEvent)
+from jetspec_jax.serve.engine import (EngineClosedError, EngineFailedError, EngineRequest, FinishEvent,
+                                      QueueFullError, SamplingParams, TokenEvent)
+from jetspec_jax.serve.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
+                                      DEFAULT_MAX_CONNECTIONS)
 from jetspec_jax.serve.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
                                         ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                         CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -34,8 +41,10 @@ DEFAULT_MAX_TOKENS = 256  # when the client gives no limit (capped by the room l
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=error.info).model_dump(), status_code=error.status)
+def error_response(error: APIError) -> Response:
+    # ASCII JSON: a message quoting a client's lone surrogate still encodes (JSONResponse's UTF-8 did not)
+    return Response(json.dumps(ErrorResponse(error=error.info).model_dump()), status_code=error.status,
+                    media_type="application/json", headers=error.headers)
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -122,11 +131,13 @@ def prometheus_text(metrics: dict[str, Any], prefix: str = "jetspec_") -> str:
 class Server:
     """The handlers of one app; holds the engine, tokenizer and served model name."""
 
-    def __init__(self, engine, tokenizer, model_name: str, default_max_tokens: int, shutdown_timeout: float):
+    def __init__(self, engine, tokenizer, model_name: str, default_max_tokens: int, shutdown_timeout: float,
+                 api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         if tokenizer is None:
             raise ValueError("the server needs a tokenizer to turn text into tokens; this target has none")
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.default_max_tokens, self.shutdown_timeout = default_max_tokens, shutdown_timeout
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.closing = False  # /health and new requests answer 503
         self.stopper: threading.Thread | None = None
 
@@ -143,8 +154,47 @@ class Server:
 
     # -- parsing -------------------------------------------------------------------------------
 
+    async def authorize(self, request: Request) -> None:
+        """With an API key set, the /v1 routes need `Authorization: Bearer <key>` (OpenAI clients send it)."""
+        if self.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(401, "this server needs an API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        # headers arrive as latin-1; compare bytes in constant time, so timing tells nothing of the key
+        if not hmac.compare_digest(key.strip().encode("latin-1"), self.api_key.encode()):
+            raise APIError(401, "the API key is not valid", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, if sent as JSON (415 otherwise: a web page can post text/plain or a form to any port
+        without asking, but not JSON) and at most max_body_bytes long (413, without reading past it)."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json', "
+                                f"got {media_type or 'no Content-Type'}", code="unsupported_media_type")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self.body_too_large(f"is {int(declared)} bytes")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:  # a chunked body, which declares no length
+                    raise self.body_too_large(f"is over {self.max_body_bytes} bytes")
+        except ClientDisconnect:
+            raise invalid_request("the connection closed before the request body was complete",
+                                  code="incomplete_body") from None
+        return bytes(body)
+
+    def body_too_large(self, size: str) -> APIError:
+        # closing the connection spares reading the rest of the body
+        return APIError(413, f"the request body {size}; this server takes at most {self.max_body_bytes} "
+                             "(--max-body-bytes)", code="request_too_large", headers={"Connection": "close"})
+
     async def parse(self, request: Request, schema: type[SamplingFields]) -> SamplingFields:
-        raw = await request.body()
+        raw = await self.read_body(request)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -203,11 +253,15 @@ class Server:
             self.engine.check_request(len(prompt_ids), max_new)
         except ValueError as e:
             raise invalid_request(str(e), param=field) from None
+        try:
+            self.engine.check_prompt(prompt_ids)  # ids past the model's vocabulary, from a larger tokenizer
+        except ValueError as e:
+            raise invalid_request(str(e), param=prompt_field) from None
         sampling = SamplingParams(temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p,
                                   top_k=0 if body.top_k is None else body.top_k, seed=body.seed)
         try:
-            sampling.config()
+            self.engine.check_sampling(sampling)  # ranges only the engine knows: top_k up to the vocabulary
         except ValueError as e:
             raise invalid_request(str(e), param=next((f for f in ("temperature", "top_p", "top_k")
                                                       if str(e).startswith(f)), None)) from None
@@ -221,6 +275,8 @@ class Server:
             return self.engine.submit(request, loop=asyncio.get_running_loop())
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except EngineFailedError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_failed") from None
         except EngineClosedError as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
         except ValueError as e:
@@ -306,11 +362,13 @@ class Server:
 
 
 def create_app(engine, tokenizer, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               shutdown_timeout: float = 30.0) -> FastAPI:
+               shutdown_timeout: float = 30.0, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app around a started engine. On shutdown (or from `begin_shutdown(app)`, which
     GracefulServer calls on SIGINT/SIGTERM) it stops the engine, letting running requests finish for
-    up to `shutdown_timeout` seconds."""
-    server = Server(engine, tokenizer, model_name, default_max_tokens, shutdown_timeout)
+    up to `shutdown_timeout` seconds. With `api_key` the /v1 routes need it as a bearer token; POST
+    bodies must be JSON of at most `max_body_bytes`."""
+    server = Server(engine, tokenizer, model_name, default_max_tokens, shutdown_timeout, api_key, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -334,29 +392,38 @@ def create_app(engine, tokenizer, model_name: str, *, default_max_tokens: int = 
         log.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
-    @app.post("/v1/chat/completions")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.authorize)])
+
+    # Tokenising runs in a thread: a long prompt on the event loop stalled every other client.
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await server.parse(request, ChatCompletionRequest)
-        return await server.complete(request, body, server.chat_prompt(body), "messages", chat=True)
+        prompt_ids = await asyncio.to_thread(server.chat_prompt, body)
+        return await server.complete(request, body, prompt_ids, "messages", chat=True)
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
         body = await server.parse(request, CompletionRequest)
-        return await server.complete(request, body, server.text_prompt(body), "prompt", chat=False)
+        prompt_ids = await asyncio.to_thread(server.text_prompt, body)
+        return await server.complete(request, body, prompt_ids, "prompt", chat=False)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return ModelList(data=[ModelCard(id=model_name, created=0)]).model_dump()
 
-    @app.get("/v1/models/{name:path}")
+    @v1.get("/models/{name:path}")
     async def model(name: str):
         if name != model_name:
             raise APIError(404, f"model {name!r} is not served here", type="not_found_error", param="model",
                            code="model_not_found")
         return ModelCard(id=model_name, created=0).model_dump()
 
+    app.include_router(v1)
+
     @app.get("/health")
     async def health():
+        if engine.failure is not None:  # the device thread died: nothing will be served until a restart
+            return JSONResponse({"status": "engine_failed", "message": engine.failure}, status_code=503)
         if server.closing:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         return {"status": "ok"}
@@ -372,11 +439,84 @@ def begin_shutdown(app: FastAPI) -> threading.Thread:
     return app.state.server.begin_shutdown()
 
 
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with read deadlines, which uvicorn lacks (it times out only idle keep-alive
+    connections): a request's head must be whole `header_timeout` seconds after the connection opened or
+    the head's first byte came, its body `body_timeout` seconds after the head; a client that stalls is
+    disconnected, so stalled connections cannot pile up. Once a request is read, the app has no deadline
+    (a stream may run for minutes). Follows h11's view of the client's side of the connection."""
+
+    def __init__(self, *args, header_timeout: float, body_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeouts = {"head": header_timeout, "body": body_timeout}
+        self.awaiting: str | None = None  # the part of a request being read: "head", "body" or None
+        self.read_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.await_part("head")  # a connection that sends nothing is held no longer than a slow head
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self.follow_client()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.follow_client()
+
+    def connection_lost(self, exc) -> None:
+        self.await_part(None)
+        super().connection_lost(exc)
+
+    def follow_client(self) -> None:
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:  # also after an early answer (401, 415): the rest is read and dropped
+            self.await_part("body")
+        elif state is h11.IDLE and self.conn.trailing_data[0]:  # part of a head came
+            self.await_part("head")
+        elif state is not h11.IDLE:  # the app's turn, or closing
+            self.await_part(None)
+        # IDLE with nothing received: a new connection keeps its deadline, a kept-alive one has uvicorn's
+
+    def await_part(self, part: str | None) -> None:
+        """Starts the deadline of `part` (None: none); the same part keeps its running deadline."""
+        if part == self.awaiting:
+            return
+        if self.read_deadline is not None:
+            self.read_deadline.cancel()
+        self.awaiting, self.read_deadline = part, None
+        if part is not None:
+            self.read_deadline = self.loop.call_later(self.read_timeouts[part], self.read_timed_out)
+
+    def read_timed_out(self) -> None:
+        self.logger.info("%s: closing the connection: the request's %s did not arrive within %.0f s",
+                         "%s:%d" % self.client if self.client else "a client", self.awaiting,
+                         self.read_timeouts[self.awaiting])
+        self.read_deadline = None
+        self.transport.close()
+
+
+def uvicorn_config(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                   header_timeout: float = DEFAULT_HEADER_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS) -> uvicorn.Config:
+    """uvicorn's settings for an app of create_app: h11 with read deadlines (DeadlineH11Protocol); a request
+    that comes while `max_connections` connections are open is answered 503 (uvicorn's limit_concurrency);
+    request heads over 16 KiB get 400 (h11's bound); uvicorn's graceful-shutdown deadline is a backstop 10 s
+    behind the engine's, which answers what it cancels."""
+    shutdown_timeout = app.state.server.shutdown_timeout
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=functools.partial(DeadlineH11Protocol, header_timeout=header_timeout,
+                                                 body_timeout=body_timeout),
+                          limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout + 10)
+
+
 class GracefulServer(uvicorn.Server):
-    """uvicorn whose first SIGINT/SIGTERM starts the app's engine shutdown at once: new work gets 503,
-    running requests finish or are cancelled by the engine's deadline and answered, then uvicorn
-    closes the connections. Set `timeout_graceful_shutdown` above the app's `shutdown_timeout`: it is
-    uvicorn's backstop, which cuts connections. `config.app` must come from create_app.
+    """uvicorn whose first SIGINT/SIGTERM starts the app's engine shutdown at once: uvicorn stops
+    listening (new connections are refused) and closes idle connections, a request that still arrives on
+    an open one gets 503, running requests finish or are cancelled by the engine's deadline and answered,
+    then uvicorn closes the connections. Set `timeout_graceful_shutdown` above the app's
+    `shutdown_timeout` (uvicorn_config does): it is uvicorn's backstop, which cuts connections.
+    `config.app` must come from create_app.
     `stop_requested()`, checked every tick, stops it the same way: for a signal that reached the
     caller's handlers just before uvicorn installed its own."""
 

@@ -8,14 +8,15 @@ import typing
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
 class OpenAIModel(BaseModel):
-    # Fields OpenAI defines that this server does not act on (user, logit_bias, ...) are ignored.
-    model_config = ConfigDict(extra="ignore")
+    # Fields OpenAI defines that this server does not act on (user, logit_bias, ...) are ignored. Types are
+    # strict, as OpenAI's API has them: "5" is not an integer, true not a number, "yes" not a boolean.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # Errors
@@ -36,10 +37,11 @@ class APIError(Exception):
     """An error the client caused or can act on; the HTTP layer turns it into an ErrorResponse."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -89,26 +91,39 @@ def validation_error(model: type[BaseModel], exc: ValidationError) -> APIError:
 # Requests
 
 
+def unicode_text(text: str) -> str:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer or UTF-8 encoder takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone surrogate (\\u{ord(text[e.start]):04x} at character {e.start}), "
+                         "which is not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
 class TextPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]  # OpenAI's range
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-TopK = Annotated[int, Field(ge=0, description="0 disables top-k")]
+TopK = Annotated[int, Field(ge=0, description="0 disables top-k; at most the vocabulary (Engine.check_sampling)")]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 MaxTokens = Annotated[int, Field(ge=1)]
 
@@ -122,7 +137,7 @@ class SamplingFields(OpenAIModel):
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -168,7 +183,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     # One prompt: text, a list holding one text, or token ids.
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
     echo: bool = False
 
     @field_validator("echo")
