@@ -31,7 +31,7 @@ from common import environment, gpu_kernel_events, print_table, time_call, write
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
 from jetspec_jax.generate import pad_prompts, pad_token, plan_cache_len, stop_tokens  # noqa: E402
-from jetspec_jax.sampling import RowSampling, sample_rows_inverse_cdf, select_tokens_rows  # noqa: E402
+from jetspec_jax.sampling import RowSampling, sample_rows_inverse_cdf, select_tokens  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
 from jetspec_jax.train.config import DataConfig  # noqa: E402
 from jetspec_jax.train.corpus import Corpus  # noqa: E402
@@ -89,8 +89,8 @@ def step_rows(target, slots_list, widths, shares, chunk: int, attentions) -> lis
         logits = jax.random.normal(jax.random.key(0), (slots, vocab), jnp.float32)
         keys = jax.random.split(jax.random.key(1), slots)
         temps = jnp.ones((slots,), jnp.float32)
-        gumbel = jax.jit(lambda l, k: select_tokens_rows(l, k, RowSampling(temps, jnp.zeros((slots,), jnp.int32),
-                                                                           jnp.ones((slots,), jnp.float32))))
+        rows = RowSampling(temps, jnp.zeros((slots,), jnp.int32), jnp.ones((slots,), jnp.float32))
+        gumbel = jax.jit(lambda l, k: select_tokens(l, k, rows, jnp.zeros((slots,), jnp.int32)))
         cdf = jax.jit(lambda l, k: sample_rows_inverse_cdf(l, k, temps))
         for name, fn in (("gumbel", gumbel), ("inverse_cdf", cdf)):
             out.append({"part": f"sampler {name}", "slots": slots,

@@ -50,7 +50,7 @@ from jetspec_jax.kernels.top_k import IMPLEMENTATIONS as TOP_K_IMPLS  # noqa: E4
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS  # noqa: E402
 from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
 from jetspec_jax.tree import top_candidates  # noqa: E402
-from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree  # noqa: E402
+from jetspec_jax.verify import accept, compact_cache, verify_tree  # noqa: E402
 
 QWEN3_8B = qwen3.Config(architecture="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
                         num_kv_heads=8, head_dim=128, intermediate_size=12288, rope_theta=1e6)
@@ -285,7 +285,7 @@ def stage_row(st: ContextState, budget: int, impl: str, method: str = "jetspec")
     for compaction in args.compactions:
         def accept_body(i, state, tree, vlogits, node_taps, head, compaction=compaction):
             cache, ctx = state
-            result = accept(tree, target_choices(vlogits, jax.random.key(0), GenerationConfig().sampling), st.depth)
+            result = accept(tree, jnp.argmax(vlogits, axis=-1).astype(jnp.int32), st.depth)  # T=0's choices
             keep = jnp.zeros_like(result.accept_len)  # commit nothing so every iteration sees one state
             path_taps = jax.vmap(lambda t, p: t[p])(node_taps, result.path)
             return (compact_cache(cache, result.path, keep, compaction),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jetspec_jax.models import qwen3
-from jetspec_jax.sampling import SamplingConfig, select_tokens
+from jetspec_jax.sampling import RowSampling, SamplingConfig, row_keys, select_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,37 +56,37 @@ def prefill(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array, cfg: 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen", "cache_len", "attention"))
-def generate_tokens(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array, key: jax.Array,
+def generate_tokens(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
                     *, cfg: qwen3.Config, gen: GenerationConfig, cache_len: int,
                     attention: str = "auto") -> GenerationOutput:
     """prompt_tokens (B, P) right-padded, prompt_lens (B,); cache_len >= P + max_new_tokens.
     `attention`: the decode steps' attention path (kernels.attention.IMPLEMENTATIONS; auto = the Pallas
-    kernel on GPU, which reads only each sequence's valid cache rows)."""
+    kernel on GPU, which reads only each sequence's valid cache rows). `keys`: one per row (B,) (a
+    single key is split), the token at output index i drawn with fold_in(row key, i) (sampling.py)."""
     b = prompt_tokens.shape[0]
     params = qwen3.fuse_for_decode(params)
+    keys, rows = row_keys(keys, b), RowSampling.uniform(gen.sampling, b)
     logits, _, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len)
-    key, sub = jax.random.split(key)
-    first = select_tokens(logits, sub, gen.sampling)
+    first = select_tokens(logits, keys, rows, jnp.zeros((b,), jnp.int32))
     out = jnp.full((b, gen.max_new_tokens), gen.pad_token_id, jnp.int32).at[:, 0].set(first)
     done = is_stop_token(first, gen.eos_token_ids) | (gen.max_new_tokens <= 1)
     num_tokens = jnp.ones((b,), jnp.int32)
 
     def cond(state):
-        step, _, _, _, done, _, _ = state
+        step, _, _, _, done, _ = state
         return (step < gen.max_new_tokens) & ~jnp.all(done)
 
     def body(state):
-        step, last, cache, out, done, num_tokens, key = state
+        step, last, cache, out, done, num_tokens = state
         logits, _, cache = qwen3.forward(params, last[:, None], cache.lengths[:, None], cache, cfg,
                                          attention_impl=attention)
         cache = cache.advance(~done)  # `last` is now in the cache for live sequences
-        key, sub = jax.random.split(key)
-        token = jnp.where(done, gen.pad_token_id, select_tokens(logits[:, 0], sub, gen.sampling))
+        token = jnp.where(done, gen.pad_token_id, select_tokens(logits[:, 0], keys, rows, num_tokens))
         out = lax.dynamic_update_slice(out, token[:, None], (0, step))
         num_tokens = num_tokens + (~done).astype(jnp.int32)
         done = done | is_stop_token(token, gen.eos_token_ids)
-        return step + 1, token, cache, out, done, num_tokens, key
+        return step + 1, token, cache, out, done, num_tokens
 
-    state = (jnp.int32(1), first, cache, out, done, num_tokens, key)
-    step, _, _, out, _, num_tokens, _ = lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), first, cache, out, done, num_tokens)
+    step, _, _, out, _, num_tokens = lax.while_loop(cond, body, state)
     return GenerationOutput(tokens=out, num_tokens=num_tokens, decode_steps=step - 1)

@@ -20,6 +20,7 @@ import time
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import cache
@@ -29,7 +30,7 @@ from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.loading.head_checkpoint import load_head, no_head_message, packaged_head_path, verify_head_files
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params
-from jetspec_jax.sampling import SamplingConfig
+from jetspec_jax.sampling import SamplingConfig, keys_of_seed_words, seed_words
 from jetspec_jax.speculative import (ATTENTION_IMPLS, ATTENTION_OF_METHOD, GEMM_BACKENDS, METHODS, HeadDrafter,
                                      SpecConfig, check_tree_causal_settings, check_tree_temperature, jitted_generate,
                                      speculative_cache_rows)
@@ -241,11 +242,11 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     gen = GenerationConfig(max_new_tokens=max_new_tokens,
                            sampling=SamplingConfig(temperature, top_k, top_p),
                            eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
-    key = jax.random.key(seed)
+    keys = keys_of_seed_words(jnp.asarray(seed_words([seed + i for i in range(len(prompts))])))
     if method == "ar":
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                    target.cfg.max_position_embeddings, max_cache_len)
-        return GenerateCall(generate_tokens, (target.params, tokens, lengths, key),
+        return GenerateCall(generate_tokens, (target.params, tokens, lengths, keys),
                             dict(cfg=target.cfg, gen=gen, cache_len=cache_len, attention=attention), method,
                             target, prompt_ids)
     if head is None:
@@ -259,7 +260,7 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     extra = speculative_cache_rows(budget, spec.depth(drafter.max_depth))
     cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                target.cfg.max_position_embeddings, max_cache_len, extra=extra)
-    return GenerateCall(jitted_generate(spec.gemm_backend), (target.params, head_params, tokens, lengths, key),
+    return GenerateCall(jitted_generate(spec.gemm_backend), (target.params, head_params, tokens, lengths, keys),
                         dict(cfg=target.cfg, drafter=drafter, spec=spec, gen=gen, cache_len=cache_len), method,
                         target, prompt_ids)
 
@@ -269,8 +270,9 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, **optio
 
     Options (keywords, see `prepare_generate` for the defaults): method "ar" decodes token by token;
     "jetspec", "jetspec-tc", "ddtree" and "dflash" decode speculatively with `head` = (DraftConfig,
-    params) and give the same tokens at temperature 0 and the same distribution at temperature > 0
-    (`budget`, `width`, `max_depth`). `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`;
+    params) and give AR's very tokens at any temperature: the i-th prompt's token at output index j is
+    drawn with a key made from `seed` + i and j, whatever the method, budget or batch (`budget`,
+    `width`, `max_depth`). `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`;
     `chat` applies the chat template (with `system_prompt`); `max_cache_len` fixes the cache size.
     `attention` picks the attention path of decode steps and verify passes (kernels.attention.IMPLEMENTATIONS;
     "auto" is a Pallas tree kernel on GPU). Prompts are right-padded to a multiple of `prompt_bucket`:
@@ -311,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed: the same seed gives the same answers; streaming draws its own sample "
-                        "(seed + i for the i-th prompt), not the batch's")
+                   help="sampling seed in [0, 2**64): the i-th prompt samples with seed + i, batched or "
+                        "streamed, whatever the method and budget (speculation draws AR's very tokens)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print each answer as its tokens commit, through the serving engine, prompts one after "
                         "another (default: when stdout is a terminal); at temperature 0 the text is the batch's")
@@ -389,6 +391,7 @@ def check_cli_settings(args) -> None:
         problems.append(f"--temperature must be a finite number >= 0, got {args.temperature}")
     depth = 1 if args.max_depth is None else args.max_depth
     for check in (lambda: SamplingConfig(args.temperature, args.top_k, args.top_p),
+                  lambda: seed_words([args.seed, args.seed + len(args.prompts) - 1]),
                   lambda: validate_tree_settings(args.budget, args.width, depth),
                   lambda: check_tree_temperature(args.tree_temperature),
                   lambda: check_tree_causal_settings(args.method, args.budget, args.candidate_budget,

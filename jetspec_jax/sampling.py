@@ -1,4 +1,5 @@
-"""Token selection from logits: greedy, or temperature sampling with top-k / top-p filtering."""
+"""Token selection from logits: greedy, or temperature sampling with top-k / top-p filtering, with per-row
+settings and keys drawn from a request's seed and the token's output position."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -29,34 +31,10 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-def filtered_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """logits (..., V) fp32 scaled by 1/temperature, with tokens outside top-k / top-p set to -inf.
-    Sampling from softmax of the result is the target distribution that sampling follows."""
-    logits = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = lax.top_k(logits, cfg.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if cfg.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p: tokens whose preceding mass < top_p.
-        kept = jnp.sum(mass_before < cfg.top_p, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return logits
-
-
-def select_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """logits (B, V) -> tokens (B,) int32."""
-    if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filtered_logits(logits, cfg), axis=-1).astype(jnp.int32)
-
-
 class RowSampling(NamedTuple):
-    """Per-sequence sampling settings as arrays (B,), for batches whose rows sample differently (the
-    server's slots); a row with temperature 0 is greedy."""
+    """Sampling settings per sequence as arrays (B,), the one form every sampler here reads (AR steps,
+    verification, the server's slots); a row with temperature 0 is greedy. Built from constants under
+    jit (`uniform`), the branches a batch does not need fold away at compile time."""
     temperature: jax.Array  # (B,) float32
     top_k: jax.Array  # (B,) int32, 0 disables
     top_p: jax.Array  # (B,) float32, 1 disables
@@ -67,9 +45,15 @@ class RowSampling(NamedTuple):
                            jnp.asarray([c.top_k for c in configs], jnp.int32),
                            jnp.asarray([c.top_p for c in configs], jnp.float32))
 
+    @staticmethod
+    def uniform(cfg: SamplingConfig, batch: int) -> "RowSampling":
+        return RowSampling.of([cfg] * batch)
 
-def filtered_logits_rows(logits: jax.Array, rows: RowSampling) -> jax.Array:
-    """`filtered_logits` with each row's own settings: logits (B, ..., V); rows (B,)."""
+
+def filtered_logits(logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """logits (B, ..., V) in fp32 scaled by each row's 1/temperature, with tokens outside its top-k and
+    top-p set to -inf: softmax of the result is the distribution that row samples from. Top-p keeps the
+    smallest prefix of the (top-k filtered) sorted distribution whose mass reaches p."""
     expand = (slice(None),) + (None,) * (logits.ndim - 1)
     temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[expand]
     top_k, top_p = rows.top_k[expand], rows.top_p[expand]
@@ -91,16 +75,49 @@ def filtered_logits_rows(logits: jax.Array, rows: RowSampling) -> jax.Array:
     return lax.cond(jnp.any(rows.top_k > 0) | jnp.any(rows.top_p < 1.0), filter_sorted, lambda x: x, logits)
 
 
-def select_tokens_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling) -> jax.Array:
-    """logits (B, ..., V), one key per row (B,) -> tokens (B, ...): argmax where a row's temperature is
-    0, else independent samples from its filtered distribution."""
+def request_key(seed: int) -> jax.Array:
+    """A request's PRNG key from a seed in [0, 2**64): both 32-bit halves go into the key (threefry's
+    two words, as jax.random.key takes a 64-bit seed), so seeds that differ above bit 31 differ."""
+    return keys_of_seed_words(jnp.asarray(seed_words([seed])[0]))
+
+
+def seed_words(seeds) -> np.ndarray:
+    """Seeds in [0, 2**64) as (N, 2) uint32 (high word, low word): `keys_of_seed_words` makes their keys
+    on the device, for a batch of requests."""
+    bad = [s for s in seeds if not 0 <= int(s) < 1 << 64]
+    if bad:
+        raise ValueError(f"seed must be in [0, 2**64), got {bad[0]}")
+    seeds = np.asarray([int(s) for s in seeds], dtype=np.uint64)
+    return np.stack([seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
+
+
+def keys_of_seed_words(words: jax.Array) -> jax.Array:
+    return jax.random.wrap_key_data(words, impl="threefry2x32")
+
+
+def row_keys(keys: jax.Array, batch: int) -> jax.Array:
+    """One key per row (B,): `keys` itself when it is one already, else the single key split."""
+    return keys if keys.ndim == 1 else jax.random.split(keys, batch)
+
+
+def select_tokens(logits: jax.Array, keys: jax.Array, rows: RowSampling, positions: jax.Array) -> jax.Array:
+    """The token at each of logits' (B, ..., V) positions: its argmax where the row's temperature is 0,
+    else a sample from the row's filtered distribution drawn with fold_in(keys[b], positions[b, ...]).
+
+    `keys` (B,) are the rows' request keys and `positions` the output index each token would take, so a
+    request's sample depends on its seed, its prefix and nothing else: the same for any batch, budget or
+    method, and speculative decoding commits exactly the tokens autoregressive decoding draws."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    positions = jnp.broadcast_to(positions, greedy.shape).astype(jnp.uint32)
 
     def sample(logits):
-        filtered = filtered_logits_rows(logits, rows)
-        sampled = jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(keys, filtered)
+        filtered = filtered_logits(logits, rows)
+        token_keys = jax.vmap(lambda key, at: jax.vmap(lambda p: jax.random.fold_in(key, p))(at.reshape(-1)))(
+            keys, positions.reshape(positions.shape[0], -1))  # (B, n)
+        draws = jax.vmap(jax.vmap(lambda k, x: jax.random.categorical(k, x)))(
+            token_keys, filtered.reshape(filtered.shape[0], -1, filtered.shape[-1]))
         expand = (slice(None),) + (None,) * (greedy.ndim - 1)
-        return jnp.where((rows.temperature > 0)[expand], sampled.astype(jnp.int32), greedy)
+        return jnp.where((rows.temperature > 0)[expand], draws.reshape(greedy.shape).astype(jnp.int32), greedy)
 
     return lax.cond(jnp.any(rows.temperature > 0), sample, lambda _: greedy, logits)
 

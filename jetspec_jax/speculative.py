@@ -28,10 +28,10 @@ from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS
 from jetspec_jax.kernels.tree_build import build_trees
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import draft_head, qwen3
-from jetspec_jax.sampling import select_tokens
+from jetspec_jax.sampling import RowSampling, row_keys, select_tokens
 from jetspec_jax.tree import (Tree, internal_nodes, max_internal_nodes, select_conditioned, subtree, top_candidates,
                               validate_tree_settings)
-from jetspec_jax.verify import accept, compact_cache, target_choices, verify_tree
+from jetspec_jax.verify import accept, compact_cache, verify_tree
 
 # the head's: a dense mask or the tree kernel; auto = the kernel on GPU (it drafts 1.1-1.8x faster on the H200,
 # jetspec-tc's second pass 1.1-4x: benchmarks/results/spec_step_breakdown_tree_causal_batch*_h200.json)
@@ -246,11 +246,13 @@ def speculative_cache_rows(budget: int, depth: int) -> int:
 
 
 def speculative_generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array,
-                         key: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
+                         keys: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
                          gen: GenerationConfig, cache_len: int) -> SpecOutput:
     """prompt_tokens (B, P) right-padded; cache_len >= P + max_new_tokens + speculative_cache_rows.
-    Jitted (by `spec.gemm_backend`'s executable); `jitted_generate` gives the jitted function itself."""
-    return jitted_generate(spec.gemm_backend)(params, drafter_params, prompt_tokens, prompt_lens, key, cfg=cfg,
+    `keys` as autoregressive.generate_tokens takes them: with the same keys, a row commits exactly the
+    tokens AR decoding draws, at any temperature. Jitted (by `spec.gemm_backend`'s executable);
+    `jitted_generate` gives the jitted function itself."""
+    return jitted_generate(spec.gemm_backend)(params, drafter_params, prompt_tokens, prompt_lens, keys, cfg=cfg,
                                               drafter=drafter, spec=spec, gen=gen, cache_len=cache_len)
 
 
@@ -274,12 +276,12 @@ def speculative_step(params: Any, drafter_params: Any, anchor: jax.Array, cache:
                      live: jax.Array, remaining: jax.Array, choose, *, cfg: qwen3.Config, drafter,
                      spec: SpecConfig, depth: int, eos_token_ids: tuple[int, ...], pad_token_id: int) -> StepOutput:
     """One step for every sequence: draft a tree, verify it, accept, commit. `params` are fused for
-    decode; `choose(logits (B, N, V)) -> (B, N)` gives the target's token at every node (argmax or a
-    sample); `remaining` (B,) caps the committed tokens; sequences that are not `live` commit nothing."""
+    decode; `choose(logits (B, N, V), depths (B, N)) -> (B, N)` gives the target's token at every node
+    (argmax or a sample); `remaining` (B,) caps the committed tokens; sequences that are not `live` commit nothing."""
     taps_wanted = tuple(drafter.tap_layers)
     tree = draft_tree(params, drafter_params, anchor, cache, state, drafter=drafter, spec=spec, depth=depth)
     logits, node_taps, cache = verify_tree(params, tree, cache, cfg, taps_wanted, spec.attention_impl)
-    result = accept(tree, choose(logits), depth)
+    result = accept(tree, choose(logits, tree.depths), depth)
 
     # commit accepted drafts + bonus, cut at EOS and at the sequence's limit
     slot = jnp.arange(depth + 1, dtype=jnp.int32)[None]
@@ -340,7 +342,7 @@ def select_trees(candidates: Tree, nodes: jax.Array, real: jax.Array, cond_logps
 
 
 def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array,
-              key: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
+              keys: jax.Array, *, cfg: qwen3.Config, drafter, spec: SpecConfig,
               gen: GenerationConfig, cache_len: int) -> SpecOutput:
     b = prompt_tokens.shape[0]
     depth = spec.depth(drafter.max_depth)
@@ -352,24 +354,23 @@ def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt
     state = drafter.init_state(drafter_params, b, cache_len, dtype)
     if taps_wanted:
         state = drafter.observe(drafter_params, state, taps, prompt_lens)
-    key, sub = jax.random.split(key)
-    first = select_tokens(logits, sub, gen.sampling)
+    keys, rows = row_keys(keys, b), RowSampling.uniform(gen.sampling, b)
+    first = select_tokens(logits, keys, rows, jnp.zeros((b,), jnp.int32))
     out = jnp.full((b, gen.max_new_tokens + depth + 1), gen.pad_token_id, jnp.int32).at[:, 0].set(first)
     done = is_stop_token(first, gen.eos_token_ids) | (gen.max_new_tokens <= 1)
     zeros = jnp.zeros((b,), jnp.int32)
     carry = (first, cache, state, out, jnp.ones((b,), jnp.int32), done, zeros,
-             jnp.zeros((b, depth + 1), jnp.int32), key)
+             jnp.zeros((b, depth + 1), jnp.int32))
 
     def cond(carry):
         return ~jnp.all(carry[5])
 
     def body(carry):
-        anchor, cache, state, out, num, done, forwards, counts, key = carry
-        key, sub = jax.random.split(key)
+        anchor, cache, state, out, num, done, forwards, counts = carry
         live = ~done
         step = speculative_step(params, drafter_params, anchor, cache, state, live, gen.max_new_tokens - num,
-                                lambda logits: target_choices(logits, sub, gen.sampling), cfg=cfg,
-                                drafter=drafter, spec=spec, depth=depth, eos_token_ids=gen.eos_token_ids,
+                                lambda logits, depths: select_tokens(logits, keys, rows, num[:, None] + depths),
+                                cfg=cfg, drafter=drafter, spec=spec, depth=depth, eos_token_ids=gen.eos_token_ids,
                                 pad_token_id=gen.pad_token_id)
         out = write_block(out, step.tokens, num)
         num = num + step.num_committed
@@ -377,9 +378,9 @@ def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt
         forwards = forwards + live.astype(jnp.int32)
         slot = jnp.arange(depth + 1, dtype=jnp.int32)[None]
         counts = counts + (live[:, None] & (slot == step.accept_len[:, None])).astype(jnp.int32)
-        return step.anchor, step.cache, step.state, out, num, done, forwards, counts, key
+        return step.anchor, step.cache, step.state, out, num, done, forwards, counts
 
-    _, _, _, out, num, _, forwards, counts, _ = lax.while_loop(cond, body, carry)
+    _, _, _, out, num, _, forwards, counts = lax.while_loop(cond, body, carry)
     positions = jnp.arange(gen.max_new_tokens)[None]
     tokens = jnp.where(positions < num[:, None], out[:, : gen.max_new_tokens], gen.pad_token_id)
     return SpecOutput(tokens=tokens, num_tokens=num, target_forwards=forwards, accept_counts=counts)

@@ -2,8 +2,9 @@
 
 Acceptance walks from the root into the child whose token equals the target's choice at the current
 node; the first node with no such child yields the bonus token. At temperature 0 the target's choice is
-its argmax. At temperature > 0 it is one sample per node from the target's (filtered) distribution, so
-every committed token is an exact target sample given its committed prefix: the output follows the
+its argmax. At temperature > 0 it is one sample per node from the target's (filtered) distribution, drawn with the
+key of the output index the node's token would take (sampling.select_tokens), so every committed token
+is the very sample autoregressive decoding draws after the same prefix: the output follows the
 target's distribution exactly, whatever the draft proposed.
 """
 
@@ -17,7 +18,6 @@ import jax.numpy as jnp
 from jetspec_jax.kernels.cache_compact import compact_rows
 from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import qwen3
-from jetspec_jax.sampling import SamplingConfig, filtered_logits
 from jetspec_jax.tree import Tree
 
 
@@ -35,13 +35,6 @@ def verify_tree(params: Any, tree: Tree, cache: KVCache, cfg: qwen3.Config, tap_
     positions = cache.lengths[:, None] + tree.depths
     return qwen3.forward(params, tree.tokens, positions, cache, cfg, mask=tree.ancestors,
                          tap_layers=tap_layers, attention_impl=attention_impl)
-
-
-def target_choices(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """The target's token at every node: argmax, or one independent sample per node."""
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filtered_logits(logits, sampling), axis=-1).astype(jnp.int32)
 
 
 def accept(tree: Tree, choices: jax.Array, max_depth: int) -> Acceptance:

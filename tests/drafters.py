@@ -27,7 +27,7 @@ class TargetGreedyDrafter:
         return self.depth
 
     def init_state(self, params, batch, max_len, dtype):
-        return jnp.zeros((), jnp.int32)
+        return jnp.zeros((batch,), jnp.int32)  # a row per sequence, as the server's slots keep a state
 
     def observe(self, params, state, taps, counts):
         return state

@@ -1,4 +1,4 @@
-"""Greedy, temperature, top-k and top-p selection."""
+"""Greedy, temperature, top-k and top-p selection per row; keys from 64-bit seeds and output positions."""
 
 from __future__ import annotations
 
@@ -7,35 +7,72 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax.sampling import SamplingConfig, filtered_logits, select_tokens
+from jetspec_jax.sampling import (RowSampling, SamplingConfig, filtered_logits, keys_of_seed_words, request_key,
+                                  seed_words, select_tokens)
 
 LOGITS = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]]))
 
 
+def kept(cfg: SamplingConfig) -> list[bool]:
+    return np.isfinite(np.asarray(filtered_logits(LOGITS, RowSampling.uniform(cfg, 1))))[0].tolist()
+
+
 def test_greedy_is_argmax():
-    assert select_tokens(LOGITS, jax.random.key(0), SamplingConfig()).tolist() == [1]
+    assert select_tokens(LOGITS, request_key(0)[None], RowSampling.uniform(SamplingConfig(), 1),
+                         jnp.zeros((1,), jnp.int32)).tolist() == [1]
 
 
 def test_top_k_keeps_k_largest():
-    kept = np.isfinite(np.asarray(filtered_logits(LOGITS, SamplingConfig(1.0, top_k=2))))[0]
-    assert kept.tolist() == [False, True, False, True, False]
+    assert kept(SamplingConfig(1.0, top_k=2)) == [False, True, False, True, False]
 
 
 def test_top_p_keeps_smallest_prefix_reaching_p():
     # sorted probs 0.4, 0.3, 0.15, 0.1, 0.05: p=0.7 keeps {0.4, 0.3}; p=0.71 also keeps 0.15
-    kept = np.isfinite(np.asarray(filtered_logits(LOGITS, SamplingConfig(1.0, top_p=0.7))))[0]
-    assert kept.tolist() == [False, True, False, True, False]
-    kept = np.isfinite(np.asarray(filtered_logits(LOGITS, SamplingConfig(1.0, top_p=0.71))))[0]
-    assert kept.tolist() == [False, True, False, True, True]
+    assert kept(SamplingConfig(1.0, top_p=0.7)) == [False, True, False, True, False]
+    assert kept(SamplingConfig(1.0, top_p=0.71)) == [False, True, False, True, True]
+
+
+def test_rows_filter_each_by_its_own_settings():
+    logits = jnp.concatenate([LOGITS] * 3)
+    rows = RowSampling.of([SamplingConfig(1.0, top_k=2), SamplingConfig(1.0, top_p=0.71), SamplingConfig(0.5)])
+    got = np.isfinite(np.asarray(filtered_logits(logits, rows))).tolist()
+    assert got == [[False, True, False, True, False], [False, True, False, True, True], [True] * 5]
 
 
 def test_samples_follow_the_tempered_distribution():
-    cfg = SamplingConfig(temperature=0.5)
-    keys = jax.random.split(jax.random.key(0), 20000)
-    draws = jax.vmap(lambda k: select_tokens(LOGITS, k, cfg))(keys)[:, 0]
-    freq = np.bincount(np.asarray(draws), minlength=5) / len(draws)
+    """20,000 output positions of one row, each its own draw."""
+    n = 20000
+    rows = RowSampling.uniform(SamplingConfig(temperature=0.5), 1)
+    draws = select_tokens(jnp.broadcast_to(LOGITS[:, None], (1, n, 5)), request_key(7)[None], rows,
+                          jnp.arange(n)[None])[0]
+    freq = np.bincount(np.asarray(draws), minlength=5) / n
     want = np.asarray(jax.nn.softmax(LOGITS[0] / 0.5))
     np.testing.assert_allclose(freq, want, atol=0.015)  # ~4.5 sigma at n=20000
+
+
+def test_a_sample_depends_on_its_key_and_position_only():
+    """The same request key and output position give the same token wherever the row sits in the batch
+    and whatever the other rows sample: what lets a seed fix a request's sample on every path."""
+    logits = jax.random.normal(jax.random.key(0), (3, 4, 50)) * 2
+    cfg = SamplingConfig(0.9, top_k=20, top_p=0.95)
+    keys = keys_of_seed_words(jnp.asarray(seed_words([11, 12, 13])))
+    positions = jnp.asarray([[0, 1, 2, 3], [5, 6, 7, 8], [0, 1, 2, 3]])
+    together = select_tokens(logits, keys, RowSampling.uniform(cfg, 3), positions)
+    alone = select_tokens(logits[2:], keys[2:], RowSampling.uniform(cfg, 1), positions[2:])
+    assert together[2].tolist() == alone[0].tolist()
+    other = select_tokens(logits[2:], keys[:1], RowSampling.uniform(cfg, 1), positions[2:])
+    shifted = select_tokens(logits[2:], keys[2:], RowSampling.uniform(cfg, 1), positions[2:] + 100)
+    assert other[0].tolist() != alone[0].tolist() and shifted[0].tolist() != alone[0].tolist()
+
+
+def test_seeds_keep_all_64_bits():
+    assert np.array_equal(jax.random.key_data(request_key(5)), jax.random.key_data(jax.random.key(5)))
+    low = jax.random.key_data(request_key(3))
+    assert not np.array_equal(jax.random.key_data(request_key(3 + (1 << 40))), low)
+    assert seed_words([2**64 - 1]).tolist() == [[2**32 - 1, 2**32 - 1]]
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+            request_key(bad)
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)])

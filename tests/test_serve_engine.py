@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_serve_budget import cost_table
+from drafters import TargetGreedyDrafter
 from test_speculative import chi_square_pvalue, exact_token_distributions
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
@@ -112,21 +113,66 @@ def test_tree_causal_requests_on_the_kernel_draft_path_equal_ar(target, heads):
     assert [tokens for tokens, _ in results] == offline(target, None, "ar", PROMPTS[:3], LIMITS[:3])
 
 
-def test_sampled_requests_follow_the_target_distribution(target, heads):
-    """3000 requests of three sampled tokens through 64 slots against the exact target distribution
-    (p-values against 1e-3, as the offline test: a false alarm rate of at most 0.2%; fixed seeds)."""
-    sampling = SamplingConfig(temperature=1.0)
-    prompt, n = [5, 12, 40], 3000
-    engine = Engine(target, heads["jetspec"], method="jetspec", slots=64, max_len=64, budget=8, width=3,
-                    chunk_steps=4, max_queue=n, stop_token_ids=(), min_batch=64).start()
+def drafting_greedily(engine: Engine, target, depth: int = 4) -> Engine:
+    """The engine with the target's own greedy chain for a drafter (a head that drafts well): at T>0 its
+    drafts are often the target's samples, so acceptance really runs."""
+    engine.drafter, engine.head_params = TargetGreedyDrafter(target.cfg, depth, sharpness=1.0), None
+    engine.slots = device.new_slots(target.cfg, engine.drafter, None, engine.num_slots, engine.max_len,
+                                    target.params["embed"].dtype)
+    engine.stats.history = []
+    return engine
+
+
+def accepted_drafts(engine: Engine) -> int:
+    return sum(chunk["accepted"] for chunk in engine.stats.history)
+
+
+def test_sampled_requests_are_offline_ar_s_own_samples(target, heads):
+    """At T>0 with top-k and top-p, each request's tokens through the engine (three slots, requests
+    admitted as others finish, drafts accepted) are offline AR's for the same seed, token for token: a
+    token is drawn with its request's key and output index, whatever the batch, budget or method."""
+    from jetspec_jax.sampling import keys_of_seed_words, seed_words
+
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, top_k=40)
+    seeds = [2**40 + 7 * i for i in range(len(PROMPTS))]
+    engine = drafting_greedily(Engine(target, heads["jetspec"], method="jetspec", slots=3, max_len=256, budget=8,
+                                      width=3, chunk_steps=4, stop_token_ids=(EOS,)), target)
     try:
-        handles = [engine.submit(EngineRequest(prompt, 3, SamplingParams(temperature=1.0, seed=i))) for i in range(n)]
+        handles = [engine.submit(EngineRequest(p, m, dataclasses.replace(sampling, seed=s)))
+                   for p, m, s in zip(PROMPTS, LIMITS, seeds)]
+        engine.start()
+        got = [collect(h)[0] for h in handles]
+    finally:
+        engine.shutdown()
+    tokens, lengths = pad_prompts(PROMPTS, 0)
+    gen = GenerationConfig(max_new_tokens=max(LIMITS), sampling=sampling.config(), eos_token_ids=(EOS,))
+    want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                           keys_of_seed_words(jnp.asarray(seed_words(seeds))), cfg=target.cfg, gen=gen, cache_len=256)
+    rows = np.asarray(want.tokens)
+    assert got == [rows[i, : min(int(want.num_tokens[i]), m)].tolist() for i, m in enumerate(LIMITS)]
+    assert accepted_drafts(engine) > 0
+
+
+def test_sampled_requests_follow_the_target_distribution(target, heads):
+    """3000 requests of three tokens sampled with top-k and top-p through 64 slots, drafted well enough
+    that drafts are accepted, against the exact target distribution (p-values against 1e-3, as the
+    offline test: a false alarm rate of at most 0.2%; fixed seeds)."""
+    sampling = SamplingConfig(temperature=1.0, top_k=30, top_p=0.9)
+    params = SamplingParams(temperature=1.0, top_k=30, top_p=0.9)
+    prompt, n = [5, 12, 40], 3000
+    engine = drafting_greedily(Engine(target, heads["jetspec"], method="jetspec", slots=64, max_len=64, budget=8,
+                                      width=3, chunk_steps=4, max_queue=n, stop_token_ids=(), min_batch=64), target,
+                               depth=3)
+    engine.start()
+    try:
+        handles = [engine.submit(EngineRequest(prompt, 3, dataclasses.replace(params, seed=i))) for i in range(n)]
         tokens = np.asarray([collect(h)[0] for h in handles])
-        again = collect(engine.submit(EngineRequest(prompt, 3, SamplingParams(temperature=1.0, seed=17))))[0]
+        again = collect(engine.submit(EngineRequest(prompt, 3, dataclasses.replace(params, seed=17))))[0]
     finally:
         engine.shutdown()
     assert tokens.shape == (n, 3)
     assert again == tokens[17].tolist()  # a request's seed fixes its sample
+    assert accepted_drafts(engine) > n // 4
     joint12, marginal3 = exact_token_distributions(target, prompt, sampling)
     v = target.cfg.vocab_size
     assert chi_square_pvalue(np.bincount(tokens[:, 0] * v + tokens[:, 1], minlength=v * v), joint12) > 1e-3

@@ -129,7 +129,7 @@ def test_embedded_model_lossless_at_t0(embedded_target):
 def exact_token_distributions(target, prompt, sampling):
     """Exact target probabilities of (t1, t2) jointly and of t3, by enumerating the vocabulary."""
     from jetspec_jax.models import qwen3
-    from jetspec_jax.sampling import filtered_logits
+    from jetspec_jax.sampling import RowSampling, filtered_logits
 
     v = target.cfg.vocab_size
 
@@ -139,7 +139,8 @@ def exact_token_distributions(target, prompt, sampling):
         pos = jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape)
         logits, _, _ = qwen3.forward(target.params, seqs, pos, cache, target.cfg,
                                      logits_indices=jnp.full((seqs.shape[0], 1), seqs.shape[1] - 1))
-        return np.asarray(jax.nn.softmax(filtered_logits(logits[:, 0], sampling), axis=-1), np.float64)
+        rows = RowSampling.uniform(sampling, seqs.shape[0])
+        return np.asarray(jax.nn.softmax(filtered_logits(logits[:, 0], rows), axis=-1), np.float64)
 
     p1 = next_probs([prompt])[0]
     p2 = next_probs([prompt + [t1] for t1 in range(v)])  # (V, V): p(t2 | t1)
@@ -192,6 +193,35 @@ def test_sampling_follows_target_distribution(tiny_qwen3, drafter_kind, sampling
     counts3 = np.bincount(tokens[:, 2], minlength=v)
     assert chi_square_pvalue(counts12, joint12) > 1e-3
     assert chi_square_pvalue(counts3, marginal3) > 1e-3
+
+
+@pytest.mark.parametrize("method,budget,width,drafter_kind", [
+    ("jetspec", 12, 3, "greedy"), ("jetspec", 24, 4, "random"), ("jetspec-tc", 12, 3, "greedy"),
+    ("ddtree", 16, 3, "random"), ("dflash", 8, 7, "random")])
+def test_sampled_output_is_ar_s_own_sample(tiny_qwen3, method, budget, width, drafter_kind):
+    """At T>0, with top-k and top-p, each token is drawn with the key of its request and output index, so
+    speculation commits exactly the tokens AR draws with the same keys, at any budget; a seed fixes a
+    request's sample. The greedy drafter's drafts are really accepted."""
+    from jetspec_jax.sampling import SamplingConfig, keys_of_seed_words, seed_words
+
+    target, _ = tiny_qwen3
+    gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.8, top_k=40, top_p=0.95))
+    keys = keys_of_seed_words(jnp.asarray(seed_words([2**40 + i for i in range(len(PROMPTS))])))
+    tokens, lengths = pad_prompts(PROMPTS, pad_id=0, bucket=16)
+    want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths), keys, cfg=target.cfg,
+                           gen=gen, cache_len=tokens.shape[1] + gen.max_new_tokens)
+    if drafter_kind == "greedy":
+        drafter, params = TargetGreedyDrafter(target.cfg, 4, sharpness=1.0), None
+    else:
+        drafter, params = random_head(target.cfg, jax.random.key(1), attention=ATTENTION_OF_METHOD[method])
+    spec = SpecConfig(method, budget, width)
+    cache_len = tokens.shape[1] + gen.max_new_tokens + speculative_cache_rows(budget, spec.depth(drafter.max_depth))
+    out = speculative_generate(target.params, params, jnp.asarray(tokens), jnp.asarray(lengths), keys,
+                               cfg=target.cfg, drafter=drafter, spec=spec, gen=gen, cache_len=cache_len)
+    np.testing.assert_array_equal(np.asarray(out.num_tokens), np.asarray(want.num_tokens))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+    if drafter_kind == "greedy":
+        assert np.asarray(out.accept_counts)[:, 1:].sum() > 0
 
 
 def test_sampling_check_detects_a_biased_sampler(tiny_qwen3):

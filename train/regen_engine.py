@@ -29,7 +29,7 @@ from jetspec_jax.compilation import compile_all
 from jetspec_jax.kernels.tree_attention import combine_partials, tree_attention_with_lse
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import qwen3
-from jetspec_jax.sampling import SamplingConfig, filtered_logits, sample_rows_inverse_cdf
+from jetspec_jax.sampling import RowSampling, filtered_logits, sample_rows_inverse_cdf
 
 
 class SlotState(NamedTuple):
@@ -77,7 +77,9 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     """logits (B, V) -> (B,): greedy rows argmax, sampled rows from softmax(logits / T) (top-p filtered)."""
     if top_p < 1.0:  # the nucleus needs a sort over the vocabulary, done once on the scaled logits
         t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        logits = filtered_logits(logits.astype(jnp.float32) / t, SamplingConfig(1.0, 0, top_p))  # keeps the argmax
+        rows = RowSampling(jnp.ones_like(temperature), jnp.zeros(temperature.shape, jnp.int32),
+                           jnp.full(temperature.shape, top_p, jnp.float32))
+        logits = filtered_logits(logits.astype(jnp.float32) / t, rows)  # keeps the argmax
         temperature = jnp.where(temperature > 0, 1.0, 0.0)
     return sample_rows_inverse_cdf(logits, keys, temperature)
 

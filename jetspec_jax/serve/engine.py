@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.models import qwen3
-from jetspec_jax.sampling import RowSampling, SamplingConfig
+from jetspec_jax.sampling import RowSampling, SamplingConfig, seed_words
 from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.budget import BudgetPolicy, load_bucket
 from jetspec_jax.serve.warmup import WarmUp
@@ -228,11 +228,11 @@ class Engine:
         prompts = np.full((rows, width), self.pad_token_id, np.int32)
         lengths, limits = np.ones(rows, np.int32), np.ones(rows, np.int32)
         indices = np.full(rows, self.num_slots, np.int32)  # past the slots: a padding row writes nothing
-        seeds = np.zeros(rows, np.uint32)
+        seeds = np.zeros((rows, 2), np.uint32)
         configs = [SamplingParams().config()] * rows
         for r, (index, ids, sampling, max_new_tokens, seed) in enumerate(requests):
             prompts[r, : len(ids)], lengths[r], limits[r] = ids, len(ids), max_new_tokens
-            indices[r], seeds[r], configs[r] = index, seed & 0xFFFFFFFF, sampling  # jax.random.key's 32 bits
+            indices[r], seeds[r], configs[r] = index, seed_words([seed])[0], sampling  # all 64 bits
         args = (self.params, self.head_params, self.slots, indices, prompts, lengths, seeds,
                 RowSampling.of(configs), limits)
         return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids)
@@ -453,7 +453,7 @@ class Engine:
     def _admission_row(self, index: int, request: EngineRequest) -> tuple:
         self.check(request)
         seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(
-            np.random.bytes(4), "little")
+            np.random.bytes(8), "little")
         return index, request.prompt_ids, request.sampling.config(), request.max_new_tokens, seed
 
     def _admit(self, indices: list[int], handles: list[RequestHandle]) -> Admission | None:

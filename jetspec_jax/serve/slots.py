@@ -15,7 +15,7 @@ from jax import lax
 from jetspec_jax.autoregressive import is_stop_token, prefill
 from jetspec_jax.kv_cache import KVCache, write_block
 from jetspec_jax.models import qwen3
-from jetspec_jax.sampling import RowSampling, select_tokens_rows
+from jetspec_jax.sampling import RowSampling, keys_of_seed_words, select_tokens
 from jetspec_jax.speculative import GEMM_BACKENDS, SpecConfig, speculative_cache_rows, speculative_step
 
 
@@ -28,7 +28,7 @@ class Slots(NamedTuple):
     num: jax.Array  # (S,) tokens generated so far
     limit: jax.Array  # (S,) max_new_tokens of the slot's request
     live: jax.Array  # (S,) bool: a request is decoding in this slot
-    keys: jax.Array  # (S,) PRNG keys, one stream per request
+    keys: jax.Array  # (S,) the request's key: token i is drawn with fold_in(key, i)
     sampling: RowSampling
     forwards: jax.Array  # (S,) target passes (verify or decode) since admission
 
@@ -52,7 +52,7 @@ def new_slots(cfg: qwen3.Config, drafter, drafter_params, num_slots: int, max_le
 
     draft = None if drafter is None else drafter.init_state(drafter_params, num_slots, max_len, dtype)
     return Slots(cache=qwen3.new_cache(cfg, num_slots, max_len, dtype), draft=draft, anchor=zeros(), num=zeros(),
-                 limit=zeros(), live=zeros(bool), keys=jax.random.split(jax.random.key(0), num_slots),
+                 limit=zeros(), live=zeros(bool), keys=keys_of_seed_words(jnp.zeros((num_slots, 2), jnp.uint32)),
                  sampling=RowSampling(zeros(jnp.float32), zeros(), jnp.ones((num_slots,), jnp.float32)),
                  forwards=zeros())
 
@@ -68,9 +68,9 @@ def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax
           seeds: jax.Array, sampling: RowSampling, limits: jax.Array, *, cfg: qwen3.Config, drafter,
           eos_token_ids: tuple[int, ...]):
     """Prefills right-padded prompts (R, P) into slots `indices` (R,) and picks their first tokens; a row
-    whose index is past the slots pads the batch and changes nothing. `seeds` (R,) uint32 start each
-    request's PRNG stream (as jax.random.key(seed)). Returns (slots, first tokens (R,), finished (R,)),
-    finished meaning the request already ended."""
+    whose index is past the slots pads the batch and changes nothing. `seeds` (R, 2) uint32 are each
+    request's 64-bit seed (sampling.seed_words), its key as sampling.request_key makes it. Returns
+    (slots, first tokens (R,), finished (R,)), finished meaning the request already ended."""
     params = qwen3.fuse_for_decode(params)
     rows = prompts.shape[0]
     taps_wanted = () if drafter is None else tuple(drafter.tap_layers)
@@ -81,9 +81,8 @@ def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax
         if taps_wanted:
             state = drafter.observe(drafter_params, state, taps, prompt_lens)
         draft = _set_rows(draft, indices, state)
-    split = jax.vmap(lambda seed: jax.random.split(jax.random.key(seed)))(seeds)
-    keys, sub = split[:, 0], split[:, 1]
-    first = select_tokens_rows(logits, sub, sampling)
+    keys = keys_of_seed_words(seeds)
+    first = select_tokens(logits, keys, sampling, jnp.zeros((rows,), jnp.int32))
     finished = is_stop_token(first, eos_token_ids) | (limits <= 1)
     ones, zeros = jnp.ones((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32)
     new = dict(anchor=first, num=ones, limit=limits, live=~finished, keys=keys, forwards=zeros)
@@ -118,18 +117,13 @@ def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *,
     n = slots.anchor.shape[0]
     out = jnp.full((n, steps * per_step), pad_token_id, jnp.int32)
 
-    def choose(logits, keys):
-        return select_tokens_rows(logits, keys, slots.sampling)
-
     def step(slots: Slots):
-        split = jax.vmap(jax.random.split)(slots.keys)
-        keys, sub = split[:, 0], split[:, 1]
         live, remaining = slots.live, slots.limit - slots.num
         if spec is None:
             logits, _, cache = qwen3.forward(params, slots.anchor[:, None], slots.cache.lengths[:, None],
                                              slots.cache, cfg, attention_impl=attention)
             cache = cache.advance(live)
-            token = choose(logits[:, 0], sub)
+            token = select_tokens(logits[:, 0], slots.keys, slots.sampling, slots.num)
             committed = jnp.where(live, 1, 0)
             hit_eos = live & is_stop_token(token, eos_token_ids)
             tokens = jnp.where(live, token, pad_token_id)[:, None]
@@ -137,14 +131,16 @@ def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *,
             accepted = jnp.int32(0)
         else:
             result = speculative_step(params, drafter_params, slots.anchor, slots.cache, slots.draft, live, remaining,
-                                      lambda logits: choose(logits, sub), cfg=cfg, drafter=drafter, spec=spec,
-                                      depth=depth, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+                                      lambda logits, depths: select_tokens(logits, slots.keys, slots.sampling,
+                                                                           slots.num[:, None] + depths),
+                                      cfg=cfg, drafter=drafter, spec=spec, depth=depth,
+                                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
             committed, hit_eos, tokens = result.num_committed, result.hit_eos, result.tokens
             slots = slots._replace(cache=result.cache, draft=result.state, anchor=result.anchor)
             accepted = jnp.sum(jnp.where(live, jnp.minimum(result.accept_len, committed - 1), 0))
         num = slots.num + committed
         finished = live & (hit_eos | (num >= slots.limit))
-        slots = slots._replace(num=num, live=live & ~finished, keys=keys,
+        slots = slots._replace(num=num, live=live & ~finished,
                                forwards=slots.forwards + live.astype(jnp.int32))
         return slots, tokens, committed, finished, accepted
 
