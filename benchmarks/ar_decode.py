@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
-from jetspec_jax.generate import encode_prompts, pad_prompts, pad_token, plan_cache_len  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
+from jetspec_jax.tokens import encode_prompts, pad_prompts, pad_token, plan_cache_len  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence, then explain its history briefly.",

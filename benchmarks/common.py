@@ -36,7 +36,7 @@ def time_call(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5) -> fl
 def eval_prompt_ids(tokenizer, benchmarks, data_dir) -> dict[tuple[str, str], list[int]]:
     """(benchmark, id) -> the prompt tokens the eval runner fed the target (chat template applied)."""
     from jetspec_jax.eval.datasets import load_benchmark
-    from jetspec_jax.generate import encode_prompts
+    from jetspec_jax.tokens import encode_prompts
 
     ids = {}
     for benchmark in sorted(set(benchmarks)):

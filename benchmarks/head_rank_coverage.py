@@ -33,10 +33,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, leading_true, print_table, write_json_atomic  # noqa: E402
 
+from jetspec_jax.api import generate  # noqa: E402
 from jetspec_jax.eval.datasets import BENCHMARKS, load_benchmark  # noqa: E402
-from jetspec_jax.generate import generate  # noqa: E402
-from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path, verify_head_files  # noqa: E402
 from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
+from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path, verify_head_files  # noqa: E402
 from jetspec_jax.models import draft_head  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402

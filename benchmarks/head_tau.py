@@ -22,11 +22,11 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json_atomic  # noqa: E402
 
-from jetspec_jax.generate import generate  # noqa: E402
+from jetspec_jax.api import generate  # noqa: E402
+from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head  # noqa: E402
 from jetspec_jax.speculative import CANDIDATE_FACTOR  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
-from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 

@@ -32,11 +32,11 @@ from common import environment, leading_true, print_table, write_json_atomic  # 
 
 from jetspec_jax.autoregressive import prefill  # noqa: E402
 from jetspec_jax.eval.datasets import BENCHMARKS, load_benchmark  # noqa: E402
-from jetspec_jax.generate import encode_prompts, pad_prompts, pad_token  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
 from jetspec_jax.speculative import HeadDrafter  # noqa: E402
 from jetspec_jax.target import default_dtype, load_target  # noqa: E402
+from jetspec_jax.tokens import encode_prompts, pad_prompts, pad_token  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 from jetspec_jax.tree import ancestor_mask  # noqa: E402
 

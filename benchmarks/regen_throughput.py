@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, gpu_kernel_events, print_table, time_call, write_json_atomic  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
-from jetspec_jax.generate import pad_prompts, pad_token, plan_cache_len, stop_tokens  # noqa: E402
 from jetspec_jax.sampling import RowSampling, sample_rows_inverse_cdf, select_tokens  # noqa: E402
 from jetspec_jax.target import load_target  # noqa: E402
+from jetspec_jax.tokens import pad_prompts, pad_token, plan_cache_len, stop_tokens  # noqa: E402
 from jetspec_jax.train.config import DataConfig  # noqa: E402
 from jetspec_jax.train.corpus import Corpus  # noqa: E402
 from jetspec_jax.train.mixture import SOURCES  # noqa: E402

@@ -30,9 +30,9 @@ from spec_step_profile import summarise  # noqa: E402
 
 from jetspec_jax import cache  # noqa: E402
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
-from jetspec_jax.generate import encode_prompts  # noqa: E402
 from jetspec_jax.serve import slots as device  # noqa: E402
 from jetspec_jax.serve.engine import Engine, SamplingParams  # noqa: E402
+from jetspec_jax.tokens import encode_prompts  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 

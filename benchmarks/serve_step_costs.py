@@ -27,8 +27,8 @@ from common import (environment, math_and_chat_prompts, print_table, target_and_
                     write_json_atomic)
 
 from jetspec_jax import cache  # noqa: E402
-from jetspec_jax.generate import encode_prompts  # noqa: E402
 from jetspec_jax.serve.engine import Engine, EngineRequest, FinishEvent  # noqa: E402
+from jetspec_jax.tokens import encode_prompts  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 

@@ -13,8 +13,8 @@ import sys
 
 from jetspec_jax import cache
 from jetspec_jax.errors import OneLineErrorParser, run_command
-from jetspec_jax.generate import PROMPT_BUCKET
 from jetspec_jax.speculative import ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, GEMM_BACKENDS
+from jetspec_jax.tokens import PROMPT_BUCKET
 from jetspec_jax.train.config import DEFAULT_DATA_DIR
 
 from .datasets import BENCHMARKS

@@ -8,11 +8,11 @@ import inspect
 import logging
 from typing import Any
 
-from jetspec_jax.generate import random_head
+from jetspec_jax.api import random_head
+from jetspec_jax.fingerprint import TargetIdentity
 from jetspec_jax.loading.head_checkpoint import (check_head_target, load_head, no_head_message, packaged_head_path,
                                                  verify_head_files)
 from jetspec_jax.models import draft_head
-from jetspec_jax.fingerprint import TargetIdentity
 from jetspec_jax.target import Target
 
 log = logging.getLogger(__name__)

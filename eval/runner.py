@@ -17,14 +17,14 @@ from typing import Any
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jetspec_jax.compilation import default_workers
-from jetspec_jax.generate import (PROMPT_BUCKET, GenerateCall, compile_ahead, encode_prompts, generate, pad_prompts,
-                                  plan_cache_len, prepare_generate, stop_tokens)
+from jetspec_jax.api import GenerateCall, generate, prepare_generate
+from jetspec_jax.compilation import compile_ahead, default_workers
 from jetspec_jax.kernels.precision import run_matmul_precision
 from jetspec_jax.models import draft_head
 from jetspec_jax.speculative import (ATTENTION_IMPLS, SpecConfig, check_draft_attention, check_gemm_backend,
                                      check_tree_temperature, resolve_draft_attention, speculative_cache_rows)
 from jetspec_jax.target import Target, default_dtype, load_target, target_identity
+from jetspec_jax.tokens import PROMPT_BUCKET, encode_prompts, pad_prompts, plan_cache_len, stop_tokens
 
 from .datasets import BENCHMARKS, EvalItem, load_benchmark
 from .heads import ROLE_OF_METHOD, HeadSource, resolve_heads

@@ -1,5 +1,6 @@
 """Many programs compiled at once (lowering on the calling thread, XLA's compilations in a thread pool),
-and `CompileWatch`, which counts what jax compiles and the time it takes."""
+`compiled_call`'s executables cached by signature (compile and run time reported apart), and
+`CompileWatch`, which counts what jax compiles and the time it takes."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import concurrent.futures
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
+import jax
 from jax import monitoring
 
 
@@ -96,3 +98,51 @@ class CompileWatch:
             if event == COMPILE_EVENT:
                 self.programs += 1
                 self.names.append(kwargs.get("fun_name", "?"))
+
+
+_COMPILED: dict[Any, Any] = {}
+_AHEAD: dict[Any, tuple[Any, float]] = {}  # compiled by compile_ahead, not run yet: (executable, seconds)
+
+
+def call_signature(fn, args: tuple, static: dict[str, Any]) -> tuple:
+    """What one compiled executable serves: the function, the arguments' shapes and dtypes, the statics."""
+    return (fn, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)), jax.tree.structure(args),
+            tuple(sorted(static.items())))
+
+
+def compiled_call(fn, args: tuple, static: dict[str, Any]):
+    """Runs a jitted function through an explicitly compiled executable, cached by shapes and static
+    arguments, so compile time and run time are reported separately. Returns (out, compile_s, run_s);
+    compile_s > 0 on an executable's first run, also when compile_ahead compiled it (its seconds there)."""
+    signature = call_signature(fn, args, static)
+    compile_s = 0.0
+    if signature not in _COMPILED:
+        if signature in _AHEAD:
+            _COMPILED[signature], compile_s = _AHEAD.pop(signature)
+        else:
+            t0 = time.perf_counter()
+            _COMPILED[signature] = fn.lower(*args, **static).compile()
+            compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(_COMPILED[signature](*args))
+    return out, compile_s, time.perf_counter() - t0
+
+
+def compile_ahead(calls: Sequence[Any], workers: int) -> int:
+    """Compiles the programs of `calls` (objects with fn, args and static: api.GenerateCall) that have
+    none yet, `workers` at a time (compile_in_parallel), for compiled_call to run; returns how many."""
+    pending = {}
+    for call in calls:
+        signature = call_signature(call.fn, call.args, call.static)
+        if signature not in _COMPILED and signature not in _AHEAD:
+            pending.setdefault(signature, call)
+
+    def lower(signature):
+        call = pending[signature]
+        return call.fn.lower(*call.args, **call.static)
+
+    def compiled(signature, executable, seconds: float) -> None:
+        _AHEAD[signature] = (executable, seconds)
+
+    compile_in_parallel(pending, lower, compiled, workers)
+    return len(pending)

@@ -69,8 +69,8 @@ def greedy_speculative_and_ar(target, spec, *, max_new_tokens: int, ar_attention
     """(speculative output, AR tokens) for two short prompts with TargetGreedyDrafter(depth 3): the
     kernels' end-to-end tests compare the two token for token."""
     from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-    from jetspec_jax.generate import pad_prompts
     from jetspec_jax.speculative import speculative_generate
+    from jetspec_jax.tokens import pad_prompts
 
     tokens, lengths = pad_prompts([[5, 12, 40], [7, 1, 2, 3, 4]], pad_id=0, bucket=8)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)

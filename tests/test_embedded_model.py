@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from jetspec_jax.generate import encode_prompts, generate
+from jetspec_jax.api import generate
 from jetspec_jax.models import qwen3
+from jetspec_jax.tokens import encode_prompts
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -7,9 +7,10 @@ import json
 import pytest
 from conftest import make_tiny_checkpoint
 
-from jetspec_jax.generate import encode_prompts, generate, pad_prompts, plan_cache_len, random_head
+from jetspec_jax.api import generate, random_head
 from jetspec_jax.loading.assemble import CheckpointMismatch
 from jetspec_jax.target import EMBEDDED_INSTALL, embedded_model_path, load_target
+from jetspec_jax.tokens import encode_prompts, pad_prompts, plan_cache_len
 
 
 def test_missing_model_file():

@@ -11,15 +11,15 @@ import os
 import pytest
 
 from conftest import make_tiny_gguf
-from jetspec_jax import generate as generate_module
+from jetspec_jax import api as api_module
 from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main
 from jetspec_jax.eval.datasets import BENCHMARKS, EvalItem, load_benchmark, record_datasets
 from jetspec_jax.eval.heads import resolve_heads
 from jetspec_jax.eval.records import read_lines
-from jetspec_jax.generate import encode_prompts
 from jetspec_jax.target import load_target
+from jetspec_jax.tokens import encode_prompts
 from jetspec_jax.train.config import DEFAULT_DATA_DIR
 from jetspec_jax.train.mixture import SOURCES, TRAIN_MIX_DIR, is_heldout, load_prompts
 
@@ -142,13 +142,13 @@ def test_runner_pads_each_prompt_alone_and_records_prompts_that_do_not_fit(tiny_
     short, long, too_long = "Why?", "Why " + "so " * 100 + "?", "Why " + "very " * 120 + "?"
     data_dir, ids = open_qa_dir(tmp_path / "data", [short, long, too_long])
     compiled = []  # (padded prompt width, cache rows, max_new_tokens) of every generation call
-    real_compiled_call = generate_module.compiled_call
+    real_compiled_call = api_module.compiled_call
 
     def spy(fn, args, static):
         compiled.append((args[1].shape[1], static["cache_len"], static["gen"].max_new_tokens))
         return real_compiled_call(fn, args, static)
 
-    monkeypatch.setattr(generate_module, "compiled_call", spy)
+    monkeypatch.setattr(api_module, "compiled_call", spy)
     monkeypatch.setattr(runner, "load_target", lambda *args, **kwargs: tiny_target)
     results = tmp_path / "r.jsonl"
     assert main(["run", "--benchmarks", "open_qa", "--data-dir", data_dir, "--model", tiny_gguf,
@@ -177,13 +177,13 @@ def test_batches_hold_prompts_of_one_padded_width(tiny_gguf, tiny_target, tmp_pa
     short, other, long, too_long = "Why?", "How?", "Why " + "so " * 100 + "?", "Why " + "very " * 120 + "?"
     data_dir, ids = open_qa_dir(tmp_path / "data", [short, long, other, too_long])
     compiled = []  # (batch, padded prompt width, max_new_tokens) of every generation call
-    real_compiled_call = generate_module.compiled_call
+    real_compiled_call = api_module.compiled_call
 
     def spy(fn, args, static):
         compiled.append((*args[1].shape[:2], static["gen"].max_new_tokens))
         return real_compiled_call(fn, args, static)
 
-    monkeypatch.setattr(generate_module, "compiled_call", spy)
+    monkeypatch.setattr(api_module, "compiled_call", spy)
     monkeypatch.setattr(runner, "load_target", lambda *args, **kwargs: tiny_target)
     results = tmp_path / "r.jsonl"
     assert main(["run", "--benchmarks", "open_qa", "--data-dir", data_dir, "--model", tiny_gguf, "--methods", "ar",

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax.generate import generate, main, random_head
+from jetspec_jax.api import generate, random_head
+from jetspec_jax.generate import main
 from jetspec_jax.loading.head_checkpoint import CONFIG_FILE, load_head, save_head
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import make_tiny_checkpoint
 
+from jetspec_jax import api
 from jetspec_jax import generate as generate_cli
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main as eval_main
@@ -148,7 +149,7 @@ def test_head_of_another_target_is_refused(embedded_target, shipped_head_copy, c
 
 def test_saved_head_records_its_target(tiny_qwen3, tmp_path):
     target, _ = tiny_qwen3
-    cfg, params = generate_cli.random_head(target, "causal")
+    cfg, params = api.random_head(target, "causal")
     save_head(str(tmp_path / "head"), cfg, params, target=target)
     record = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())
     assert record["target_fingerprint"] == target.fingerprint and record["target_name"] == target.name
@@ -275,7 +276,7 @@ def test_identity_read_from_files_equals_the_loaded_targets(embedded_target, ren
 def sharded_head(tiny_qwen3, path, shards_wanted=3):
     """A random tiny head saved with a limit that splits it into about `shards_wanted` files."""
     target, _ = tiny_qwen3
-    cfg, params = generate_cli.random_head(target, "causal", seed=5)
+    cfg, params = api.random_head(target, "causal", seed=5)
     total = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(params))
     limit = total // shards_wanted + 4096  # room for each file's header and metadata
     save_head(str(path), cfg, params, metadata={"note": "test"}, target=target, max_shard_bytes=limit)
@@ -367,7 +368,7 @@ def test_sharded_head_without_its_shard_list_is_no_head(tiny_qwen3, tmp_path):
 
 def test_heads_below_the_limit_keep_one_file(tiny_qwen3, tmp_path):
     target, _ = tiny_qwen3
-    cfg, params = generate_cli.random_head(target, "causal")
+    cfg, params = api.random_head(target, "causal")
     save_head(str(tmp_path / "head"), cfg, params)
     assert sorted(os.listdir(tmp_path / "head")) == [CONFIG_FILE, WEIGHTS_FILE]
     record = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())

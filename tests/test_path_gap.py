@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from drafters import random_head
 
-from jetspec_jax.generate import pad_prompts
 from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.tokens import pad_prompts
 from jetspec_jax.tree import ancestor_mask
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))

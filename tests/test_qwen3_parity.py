@@ -5,13 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-from jetspec_jax.generate import pad_prompts
 from jetspec_jax.models import qwen3
 from jetspec_jax.target import load_target
+from jetspec_jax.tokens import pad_prompts
 
 
 def run_forward(target, ids, tap_layers=()):

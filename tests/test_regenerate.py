@@ -15,8 +15,8 @@ import os
 import numpy as np
 import pytest
 
+from jetspec_jax.api import generate
 from jetspec_jax.errors import DamagedFileError, InputError
-from jetspec_jax.generate import generate
 from jetspec_jax.train import regenerate as regen_module
 from jetspec_jax.train.config import DEFAULT_DATA_DIR, DataConfig
 from jetspec_jax.train.corpus import MANIFEST_FILE, PROMPT_META_FILE, PROMPTS_FILE, Corpus

@@ -16,14 +16,15 @@ from test_serve_budget import cost_table
 from drafters import TargetGreedyDrafter
 from test_speculative import chi_square_pvalue, exact_token_distributions
 
+from jetspec_jax.api import random_head
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
 from jetspec_jax.compilation import CompileWatch
-from jetspec_jax.generate import pad_prompts, random_head
 from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.engine import (Engine, EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
                                       RequestHandle, SamplingParams, TokenEvent)
 from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_generate
+from jetspec_jax.tokens import pad_prompts
 
 EOS = 7  # a token the random tiny model emits now and then, so some requests stop early
 TIMEOUT = 300.0

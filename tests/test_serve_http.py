@@ -25,11 +25,12 @@ import pytest
 
 from conftest import make_tiny_checkpoint
 from test_serve_engine import collect
-from jetspec_jax.generate import encode_prompts, generate, random_head
+from jetspec_jax.api import generate, random_head
 from jetspec_jax.serve.__main__ import warm_up
 from jetspec_jax.serve.engine import Engine, EngineRequest
 from jetspec_jax.serve.http_server import GracefulServer, begin_shutdown, create_app, uvicorn_config
 from jetspec_jax.target import load_target
+from jetspec_jax.tokens import encode_prompts
 
 REQUEST_TIMEOUT = 120.0  # seconds one request may take (first ones compile)
 MODEL = "test-model"

@@ -13,7 +13,7 @@ import pytest
 from test_serve_http import char_tokenizer
 
 from conftest import make_tiny_checkpoint
-from jetspec_jax.generate import random_head
+from jetspec_jax.api import random_head
 from jetspec_jax.loading.head_checkpoint import save_head
 from jetspec_jax.target import load_target
 

@@ -10,9 +10,9 @@ import pytest
 from drafters import TargetGreedyDrafter, random_head
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
-from jetspec_jax.generate import pad_prompts
 from jetspec_jax.speculative import (ATTENTION_OF_METHOD, SpecConfig, jitted_generate, mean_accepted_length,
                                      speculative_cache_rows, speculative_generate)
+from jetspec_jax.tokens import pad_prompts
 
 PROMPTS = [[5, 12, 40], [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11], [90, 3], [33, 34, 35, 36, 37]]
 
@@ -111,7 +111,7 @@ def test_eos_and_batch_stopping_match_ar(tiny_qwen3):
 
 @pytest.mark.slow
 def test_embedded_model_lossless_at_t0(embedded_target):
-    from jetspec_jax.generate import encode_prompts
+    from jetspec_jax.tokens import encode_prompts
 
     prompts = encode_prompts(embedded_target.tokenizer, ["What is 12 times 12?", "Name three primary colors."])
     gen = GenerationConfig(max_new_tokens=32)

@@ -17,9 +17,9 @@ from tqdm import tqdm
 from jetspec_jax.compilation import CompileWatch, default_workers
 from jetspec_jax.errors import InputError
 from jetspec_jax.fingerprint import target_fingerprint
-from jetspec_jax.generate import encode_prompts, pad_token, stop_tokens
 from jetspec_jax.provenance import environment
 from jetspec_jax.target import Target
+from jetspec_jax.tokens import encode_prompts, pad_token, stop_tokens
 
 from .config import DEFAULT_DATA_DIR, DataConfig
 from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, read_prompt_ids, sha256_hex

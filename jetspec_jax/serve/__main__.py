@@ -188,10 +188,10 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
     engine = None
     with StopSignals() as signals:
         try:
-            from jetspec_jax.generate import encode_prompts
             from jetspec_jax.models import qwen3
             from jetspec_jax.serve.engine import Engine
             from jetspec_jax.serve.http_server import GracefulServer, create_app, uvicorn_config
+            from jetspec_jax.tokens import encode_prompts
 
             signals.check()
             cache.configure(args.cache_dir, enabled=not args.no_cache)

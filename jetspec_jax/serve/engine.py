@@ -16,7 +16,6 @@ import time
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.models import qwen3
@@ -25,6 +24,7 @@ from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.budget import BudgetPolicy, load_bucket
 from jetspec_jax.serve.warmup import WarmUp
 from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig, check_gemm_backend
+from jetspec_jax.tokens import pad_token, stop_tokens
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,6 @@ class Engine:
         returns only once its loop is done, and overlap only hands out each chunk's tokens a chunk late.
         The engine decodes with the target's weights in the decode layout (qwen3.fuse_for_decode): a copy,
         unless they are fused already (the server fuses them before it builds the engine)."""
-        from jetspec_jax.generate import pad_token, stop_tokens
-
         if method != "ar" and method not in METHODS:
             raise ValueError(f"method {method!r} is not one of {('ar',) + METHODS}")
         if method != "ar" and head is None:

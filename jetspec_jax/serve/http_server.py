@@ -34,6 +34,7 @@ from jetspec_jax.serve.protocol import (APIError, AssistantMessage, ChatChoice, 
                                         CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
                                         ErrorResponse, ModelCard, ModelList, SamplingFields, Usage,
                                         completion_id, invalid_request, now, validation_error)
+from jetspec_jax.tokens import encode_prompts
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +223,6 @@ class Server:
         return [int(t) for t in ids]
 
     def text_prompt(self, body: CompletionRequest) -> list[int]:
-        from jetspec_jax.generate import encode_prompts
-
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < len(self.tokenizer)]
