@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jetspec_jax.models import qwen3
 from jetspec_jax.models.params import ParamSpec, map_specs
 
 DATA_AXIS, MODEL_AXIS = "data", "model"
@@ -58,3 +60,11 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_target(target, mesh: Mesh):
+    """The target (target.Target, weights in the loaded layout) with its weights split over the mesh's
+    model axis: tensor parallel over attention heads, KV heads and the MLP; what does not divide stays
+    whole. Generation takes it as it is: jit partitions each program from the weights' layout."""
+    specs = qwen3.param_specs(target.cfg)
+    return dataclasses.replace(target, params=jax.device_put(target.params, param_shardings(specs, mesh)))
