@@ -2,7 +2,7 @@
 device call and returns texts, token ids, timings and acceptance statistics; `prepare_generate` builds
 that call without running it (the eval harness compiles many ahead).
 
-    from jetspec_jax import generate, load_head, load_target
+    from jetspec_jax.api import generate, load_head, load_target
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
 from jetspec_jax.compilation import compiled_call
+from jetspec_jax.loading.head_checkpoint import load_head
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params
 from jetspec_jax.sampling import SamplingConfig, keys_of_seed_words, seed_words
@@ -23,6 +24,9 @@ from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig, jitted_gen
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.tokens import (PROMPT_BUCKET, decode_texts, encode_prompts, pad_prompts, pad_token, plan_cache_len,
                                 stop_tokens, trim_generated)
+
+__all__ = ["GenerateCall", "GenerationResult", "generate", "load_head", "load_target", "prepare_generate",
+           "random_head"]
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import make_tiny_gguf
 
-from jetspec_jax import cache, generate
+from jetspec_jax import cache, compilation, generate
 from jetspec_jax.cache import CacheWarning
 from jetspec_jax.target import load_target
 
@@ -201,7 +201,7 @@ def test_an_unwritable_cache_folder_warns_and_the_run_goes_on(tiny_gguf, tmp_pat
 
 def test_cli_no_cache_writes_nothing(tiny_gguf, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(generate, "_COMPILED", {})
+    monkeypatch.setattr(compilation, "_COMPILED", {})
     jax.clear_caches()  # so that this run compiles, as a new process would
     assert generate.main(["hi", "--model", tiny_gguf, "--method", "ar", "--max-new-tokens", "2", "--no-cache"]) == 0
     assert "load " in capsys.readouterr().err

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-import jetspec_jax.generate as generate_module
+from jetspec_jax import api, compilation
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main
 from jetspec_jax.eval.heads import resolve_heads
@@ -246,7 +246,7 @@ def spy_generate(monkeypatch, calls: list) -> None:
 def spy_compiles(monkeypatch, events: list) -> None:
     """Records ("ahead", programs compiled) for each compile_ahead and, for each generation call, ("call",
     whether its program was compiled before the call)."""
-    real_ahead, real_call = runner.compile_ahead, generate_module.compiled_call
+    real_ahead, real_call = runner.compile_ahead, api.compiled_call
 
     def ahead(calls, workers):
         compiled = real_ahead(calls, workers)
@@ -254,11 +254,11 @@ def spy_compiles(monkeypatch, events: list) -> None:
         return compiled
 
     def call(fn, args, static):
-        signature = generate_module.call_signature(fn, args, static)
-        events.append(("call", signature in generate_module._COMPILED or signature in generate_module._AHEAD))
+        signature = compilation.call_signature(fn, args, static)
+        events.append(("call", signature in compilation._COMPILED or signature in compilation._AHEAD))
         return real_call(fn, args, static)
     monkeypatch.setattr(runner, "compile_ahead", ahead)
-    monkeypatch.setattr(generate_module, "compiled_call", call)
+    monkeypatch.setattr(api, "compiled_call", call)
 
 
 @pytest.fixture(scope="module")
