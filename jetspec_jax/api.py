@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
@@ -19,7 +18,7 @@ from jetspec_jax.compilation import compiled_call
 from jetspec_jax.loading.head_checkpoint import load_head
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import init_params
-from jetspec_jax.sampling import SamplingConfig, keys_of_seed_words, seed_words
+from jetspec_jax.sampling import SamplingConfig, request_keys
 from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig, jitted_generate, speculative_cache_rows
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.tokens import (PROMPT_BUCKET, decode_texts, encode_prompts, pad_prompts, pad_token, plan_cache_len,
@@ -104,7 +103,7 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     gen = GenerationConfig(max_new_tokens=max_new_tokens,
                            sampling=SamplingConfig(temperature, top_k, top_p),
                            eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
-    keys = keys_of_seed_words(jnp.asarray(seed_words([seed + i for i in range(len(prompts))])))
+    keys = request_keys([seed + i for i in range(len(prompts))])
     if method == "ar":
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
                                    target.cfg.max_position_embeddings, max_cache_len)

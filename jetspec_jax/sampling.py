@@ -26,10 +26,6 @@ class SamplingConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 class RowSampling(NamedTuple):
     """Sampling settings per sequence as arrays (B,), the one form every sampler here reads (AR steps,
@@ -75,10 +71,10 @@ def filtered_logits(logits: jax.Array, rows: RowSampling) -> jax.Array:
     return lax.cond(jnp.any(rows.top_k > 0) | jnp.any(rows.top_p < 1.0), filter_sorted, lambda x: x, logits)
 
 
-def request_key(seed: int) -> jax.Array:
-    """A request's PRNG key from a seed in [0, 2**64): both 32-bit halves go into the key (threefry's
+def request_keys(seeds) -> jax.Array:
+    """Requests' PRNG keys (N,) from seeds in [0, 2**64): both 32-bit halves go into a key (threefry's
     two words, as jax.random.key takes a 64-bit seed), so seeds that differ above bit 31 differ."""
-    return keys_of_seed_words(jnp.asarray(seed_words([seed])[0]))
+    return keys_of_seed_words(jnp.asarray(seed_words(seeds)))
 
 
 def seed_words(seeds) -> np.ndarray:

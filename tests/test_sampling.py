@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jetspec_jax.sampling import (RowSampling, SamplingConfig, filtered_logits, keys_of_seed_words, request_key,
-                                  seed_words, select_tokens)
+from jetspec_jax.sampling import RowSampling, SamplingConfig, filtered_logits, request_keys, seed_words, select_tokens
 
 LOGITS = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]]))
 
@@ -18,7 +17,7 @@ def kept(cfg: SamplingConfig) -> list[bool]:
 
 
 def test_greedy_is_argmax():
-    assert select_tokens(LOGITS, request_key(0)[None], RowSampling.uniform(SamplingConfig(), 1),
+    assert select_tokens(LOGITS, request_keys([0]), RowSampling.uniform(SamplingConfig(), 1),
                          jnp.zeros((1,), jnp.int32)).tolist() == [1]
 
 
@@ -43,7 +42,7 @@ def test_samples_follow_the_tempered_distribution():
     """20,000 output positions of one row, each its own draw."""
     n = 20000
     rows = RowSampling.uniform(SamplingConfig(temperature=0.5), 1)
-    draws = select_tokens(jnp.broadcast_to(LOGITS[:, None], (1, n, 5)), request_key(7)[None], rows,
+    draws = select_tokens(jnp.broadcast_to(LOGITS[:, None], (1, n, 5)), request_keys([7]), rows,
                           jnp.arange(n)[None])[0]
     freq = np.bincount(np.asarray(draws), minlength=5) / n
     want = np.asarray(jax.nn.softmax(LOGITS[0] / 0.5))
@@ -55,7 +54,7 @@ def test_a_sample_depends_on_its_key_and_position_only():
     and whatever the other rows sample: what lets a seed fix a request's sample on every path."""
     logits = jax.random.normal(jax.random.key(0), (3, 4, 50)) * 2
     cfg = SamplingConfig(0.9, top_k=20, top_p=0.95)
-    keys = keys_of_seed_words(jnp.asarray(seed_words([11, 12, 13])))
+    keys = request_keys([11, 12, 13])
     positions = jnp.asarray([[0, 1, 2, 3], [5, 6, 7, 8], [0, 1, 2, 3]])
     together = select_tokens(logits, keys, RowSampling.uniform(cfg, 3), positions)
     alone = select_tokens(logits[2:], keys[2:], RowSampling.uniform(cfg, 1), positions[2:])
@@ -66,13 +65,13 @@ def test_a_sample_depends_on_its_key_and_position_only():
 
 
 def test_seeds_keep_all_64_bits():
-    assert np.array_equal(jax.random.key_data(request_key(5)), jax.random.key_data(jax.random.key(5)))
-    low = jax.random.key_data(request_key(3))
-    assert not np.array_equal(jax.random.key_data(request_key(3 + (1 << 40))), low)
+    assert np.array_equal(jax.random.key_data(request_keys([5])[0]), jax.random.key_data(jax.random.key(5)))
+    low = jax.random.key_data(request_keys([3])[0])
+    assert not np.array_equal(jax.random.key_data(request_keys([3 + (1 << 40)])[0]), low)
     assert seed_words([2**64 - 1]).tolist() == [[2**32 - 1, 2**32 - 1]]
     for bad in (-1, 2**64):
         with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
-            request_key(bad)
+            request_keys([bad])[0]
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)])

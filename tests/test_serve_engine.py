@@ -132,7 +132,7 @@ def test_sampled_requests_are_offline_ar_s_own_samples(target, heads):
     """At T>0 with top-k and top-p, each request's tokens through the engine (three slots, requests
     admitted as others finish, drafts accepted) are offline AR's for the same seed, token for token: a
     token is drawn with its request's key and output index, whatever the batch, budget or method."""
-    from jetspec_jax.sampling import keys_of_seed_words, seed_words
+    from jetspec_jax.sampling import request_keys
 
     sampling = SamplingParams(temperature=0.8, top_p=0.95, top_k=40)
     seeds = [2**40 + 7 * i for i in range(len(PROMPTS))]
@@ -148,7 +148,7 @@ def test_sampled_requests_are_offline_ar_s_own_samples(target, heads):
     tokens, lengths = pad_prompts(PROMPTS, 0)
     gen = GenerationConfig(max_new_tokens=max(LIMITS), sampling=sampling.config(), eos_token_ids=(EOS,))
     want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                           keys_of_seed_words(jnp.asarray(seed_words(seeds))), cfg=target.cfg, gen=gen, cache_len=256)
+                           request_keys(seeds), cfg=target.cfg, gen=gen, cache_len=256)
     rows = np.asarray(want.tokens)
     assert got == [rows[i, : min(int(want.num_tokens[i]), m)].tolist() for i, m in enumerate(LIMITS)]
     assert accepted_drafts(engine) > 0

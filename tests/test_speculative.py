@@ -202,11 +202,11 @@ def test_sampled_output_is_ar_s_own_sample(tiny_qwen3, method, budget, width, dr
     """At T>0, with top-k and top-p, each token is drawn with the key of its request and output index, so
     speculation commits exactly the tokens AR draws with the same keys, at any budget; a seed fixes a
     request's sample. The greedy drafter's drafts are really accepted."""
-    from jetspec_jax.sampling import SamplingConfig, keys_of_seed_words, seed_words
+    from jetspec_jax.sampling import SamplingConfig, request_keys
 
     target, _ = tiny_qwen3
     gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.8, top_k=40, top_p=0.95))
-    keys = keys_of_seed_words(jnp.asarray(seed_words([2**40 + i for i in range(len(PROMPTS))])))
+    keys = request_keys([2**40 + i for i in range(len(PROMPTS))])
     tokens, lengths = pad_prompts(PROMPTS, pad_id=0, bucket=16)
     want = generate_tokens(target.params, jnp.asarray(tokens), jnp.asarray(lengths), keys, cfg=target.cfg,
                            gen=gen, cache_len=tokens.shape[1] + gen.max_new_tokens)

@@ -69,7 +69,7 @@ def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax
           eos_token_ids: tuple[int, ...]):
     """Prefills right-padded prompts (R, P) into slots `indices` (R,) and picks their first tokens; a row
     whose index is past the slots pads the batch and changes nothing. `seeds` (R, 2) uint32 are each
-    request's 64-bit seed (sampling.seed_words), its key as sampling.request_key makes it. Returns
+    request's 64-bit seed (sampling.seed_words), its key as sampling.request_keys makes it. Returns
     (slots, first tokens (R,), finished (R,)), finished meaning the request already ended."""
     params = qwen3.fuse_for_decode(params)
     rows = prompts.shape[0]
