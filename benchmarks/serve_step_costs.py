@@ -5,10 +5,11 @@ server's adaptive budget reads (`--budget auto`), and the batched step against a
         --out benchmarks/results/serve_step_costs_h200.json --table jetspec_jax/serve/cost_tables/NAME.json
 
 For each batch n an engine of max(--batches) slots serves n requests in a closed loop (a finished
-request is replaced at once by the next prompt of MATH-500 and MT-Bench, taken in turn) with a fixed
-budget, so its chunks run the first n slots (or 8, the smallest chunk); chunks with n live give
-step_ms (wall time of the chunk / its steps: the engine reads each chunk before it launches the next,
-so host work between chunks is excluded) and tau. Chunks that compiled are not counted, nor the next
+request is replaced at once by the next prompt of MATH-500 and MT-Bench, taken in turn) at one
+setting: the AR engine, the speculative engine's plain decoding arm (budget 1), each tree budget.
+Its chunks run the first n slots (or 8, the smallest chunk); chunks with n live give step_ms (wall
+time of the chunk / its steps: the engine reads each chunk before it launches the next, so host work
+between chunks is excluded) and tau. Chunks that compiled are not counted, nor the next
 --warmup-chunks; the --seconds of each setting start after its compilation.
 """
 
@@ -27,15 +28,21 @@ from common import (environment, math_and_chat_prompts, print_table, target_and_
                     write_json_atomic)
 
 from jetspec_jax import cache  # noqa: E402
+from jetspec_jax.serve.budget import PLAIN, BudgetPolicy, CostTable  # noqa: E402
 from jetspec_jax.serve.engine import Engine, EngineRequest, FinishEvent  # noqa: E402
 from jetspec_jax.tokens import encode_prompts  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 
 def measure(target, head, method: str, batch: int, budget: int | None, prompts, args) -> dict:
-    engine = Engine(target, head, method=method, slots=max(args.batches), max_len=args.max_len, budget=budget or 16,
-                    width=args.width, chunk_steps=args.chunk_steps, max_queue=4 * batch,
+    """One setting: `budget` None with method "ar" is the AR engine; PLAIN is a speculative engine's
+    plain decoding steps (auto's PLAIN arm, which also feeds the head its context)."""
+    engine = Engine(target, head, method=method, slots=max(args.batches), max_len=args.max_len,
+                    budget="auto" if budget == PLAIN else budget or 16, width=args.width,
+                    chunk_steps=args.chunk_steps, max_queue=4 * batch,
                     overlap=False)  # each chunk read before the next launches: its time is its own
+    if budget == PLAIN:
+        engine.policy = BudgetPolicy((PLAIN,), False, CostTable({}, {}))
     engine.stats.history = []
     engine.start()
     in_flight, source = [], itertools.cycle(prompts)
@@ -92,15 +99,15 @@ def main(argv=None) -> int:
 
     rows = []
     for batch in args.batches:
-        rows.append(measure(target, None, "ar", batch, None, prompts, args))
-        for budget in args.budgets:
-            rows.append(measure(target, head, args.method, batch, budget, prompts, args))
-        ar_ms = rows[-len(args.budgets) - 1].get("step_ms")
-        for row in rows[-len(args.budgets):]:
-            if ar_ms and row.get("step_ms"):
-                row["step_over_ar"] = row["step_ms"] / ar_ms
-        print_table(rows[-len(args.budgets) - 1:], ["method", "batch", "budget", "chunks", "step_ms", "tau",
-                                                    "tokens_per_second", "step_over_ar"])
+        ar = measure(target, None, "ar", batch, None, prompts, args)
+        settings = [measure(target, head, args.method, batch, budget, prompts, args)
+                    for budget in (PLAIN, *args.budgets)]
+        for row in settings:
+            if ar.get("step_ms") and row.get("step_ms"):
+                row["step_over_ar"] = row["step_ms"] / ar["step_ms"]
+        rows += [ar] + settings
+        print_table([ar] + settings, ["method", "batch", "budget", "chunks", "step_ms", "tau", "tokens_per_second",
+                                      "step_over_ar"])
     env = environment()
     payload = dict(benchmark="serve_step_costs", target=target.name, target_fingerprint=target.fingerprint,
                    method=args.method, width=args.width, chunk_steps=args.chunk_steps, new_tokens=args.new_tokens,

@@ -1,6 +1,7 @@
-"""The load-adaptive draft budget (serve/budget.py): the cost table's ranking by load, and how the
-chunks the engine observes refine it: bounded steps for stalls and short chunks, probes that catch a
-table unlike the workload, and choices near the best budget under noise (a simulated engine)."""
+"""The load-adaptive draft budget (serve/budget.py): the cost table's ranking by load, plain decoding
+where no tree pays, and how the chunks the engine observes refine it: bounded steps for stalls and
+short chunks, probes that catch a table unlike the workload, and choices near the best budget under
+noise (a simulated engine)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import pytest
 
 from jetspec_jax.errors import DamagedFileError
 from jetspec_jax.serve import budget as budget_module
-from jetspec_jax.serve.budget import BudgetPolicy, CostTable
+from jetspec_jax.serve.budget import PLAIN, BudgetPolicy, CostTable
 
 TARGET = types.SimpleNamespace(fingerprint="no-shipped-table")  # all a policy reads of its target
+PLAIN_MS = 1.34  # the H200's plain decoding step of the embedded model at one live request
 
 
-def cost_table(tmp_path, rows) -> str:
+def cost_table(tmp_path, rows, plain_ms: float | None = PLAIN_MS) -> str:
+    """A cost table of `rows` (batch, budget, step ms, tau), with a plain decoding row of `plain_ms` at
+    each of their batches unless rows give their own or plain_ms is None."""
+    batches = sorted({r[0] for r in rows} - {r[0] for r in rows if r[1] == PLAIN})
+    rows = list(rows) + ([(b, PLAIN, plain_ms, 1.0) for b in batches] if plain_ms is not None else [])
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"rows": [dict(batch=b, budget=bud, step_ms=ms, tau=tau) for b, bud, ms, tau in rows]}))
     return str(path)
@@ -27,11 +33,27 @@ def test_adaptive_budget_follows_the_load(tmp_path):
     """Large trees pay at low load, small ones at high load (numbers shaped like the H200's)."""
     path = cost_table(tmp_path, [(1, 16, 1.1, 2.9), (1, 64, 1.3, 3.6), (16, 16, 1.6, 2.9), (16, 64, 3.2, 3.6)])
     policy = BudgetPolicy.create("auto", 7, 16, TARGET, path)
-    assert policy.budgets == (16, 64)
+    assert policy.budgets == (PLAIN, 16, 64)
     assert policy.choose(1) == 64 and policy.choose(16) == 16
     assert policy.choose(8) == 16  # steps interpolated to 1.33 vs 2.19 ms
     fixed = BudgetPolicy.create(32, 7, 16, TARGET, path)
     assert fixed.choose(1) == fixed.choose(16) == 32
+
+
+def test_plain_decoding_where_no_tree_pays(tmp_path):
+    """At a load where every tree's step costs more than its tokens are worth, auto decodes plainly;
+    where a tree pays, it drafts. Without a plain row in the table, plain decoding is tried first
+    at each load and then ranked by what it measured."""
+    rows = [(1, PLAIN, 1.34, 1.0), (1, 16, 1.67, 2.6), (32, PLAIN, 2.0, 1.0), (32, 16, 6.0, 2.6)]
+    policy = BudgetPolicy.create("auto", 7, 32, TARGET, cost_table(tmp_path, rows))
+    assert policy.choose(1) == 16 and policy.choose(32) == PLAIN  # 32 x 2.6 / 6.0 < 32 x 1 / 2.0
+    unknown = BudgetPolicy.create("auto", 7, 32, TARGET, cost_table(tmp_path, rows[1::2], plain_ms=None))
+    assert unknown.budgets == (PLAIN, 16)
+    assert unknown.choose(32) == PLAIN
+    unknown.observe(PLAIN, 32, step_seconds=2.0e-3, tau=1.0)
+    assert unknown.choose(32) == PLAIN and unknown.choose(1) == PLAIN
+    unknown.observe(PLAIN, 1, step_seconds=1.34e-3, tau=1.0)
+    assert unknown.choose(1) == 16
 
 
 def test_step_time_between_and_past_the_measured_batches(tmp_path):
@@ -93,7 +115,8 @@ def test_a_chunk_cut_short_counts_for_less(tmp_path):
 def test_estimates_show_what_a_choice_compares(tmp_path):
     policy = BudgetPolicy.create("auto", 7, 8, TARGET, cost_table(tmp_path, [(1, 16, 1.0, 2.0), (1, 64, 1.0, 3.0)]))
     policy.observe(64, 1, step_seconds=1.5e-3, tau=3.0)
-    assert policy.estimates(1) == {16: {"rate": 2.0, "step_ms": 1.0, "tau": 2.0, "chunks": 0},
+    assert policy.estimates(1) == {PLAIN: {"rate": 1 / PLAIN_MS, "step_ms": PLAIN_MS, "tau": 1.0, "chunks": 0},
+                                   16: {"rate": 2.0, "step_ms": 1.0, "tau": 2.0, "chunks": 0},
                                    64: {"rate": pytest.approx(3.0 / 1.1), "step_ms": pytest.approx(1.1),
                                         "tau": pytest.approx(3.0), "chunks": 1}}
 
@@ -133,10 +156,14 @@ def test_probes_correct_a_table_unlike_the_workload(tmp_path, monkeypatch, probi
 
 
 WORLDS = {  # budget -> (true step ms, true tau) at one live sequence
-    "as the table": {16: (1.67, 2.59), 32: (1.51, 2.89), 64: (1.67, 3.12), 128: (1.80, 3.33)},
-    "B=64 best": {16: (1.7, 2.6), 32: (1.75, 2.9), 64: (1.85, 3.6), 128: (2.1, 3.8)},
-    "B=16 best": {16: (1.5, 2.9), 32: (1.75, 2.9), 64: (2.0, 3.1), 128: (2.4, 3.3)},
-    "B=64 accepts more than the table says": {16: (1.67, 2.59), 32: (1.51, 2.89), 64: (1.67, 3.9), 128: (1.80, 3.33)},
+    "as the table": {PLAIN: (1.34, 1.0), 16: (1.67, 2.59), 32: (1.51, 2.89), 64: (1.67, 3.12), 128: (1.80, 3.33)},
+    "B=64 best": {PLAIN: (1.34, 1.0), 16: (1.7, 2.6), 32: (1.75, 2.9), 64: (1.85, 3.6), 128: (2.1, 3.8)},
+    "B=16 best": {PLAIN: (1.34, 1.0), 16: (1.5, 2.9), 32: (1.75, 2.9), 64: (2.0, 3.1), 128: (2.4, 3.3)},
+    "B=64 accepts more than the table says": {PLAIN: (1.34, 1.0), 16: (1.67, 2.59), 32: (1.51, 2.89),
+                                              64: (1.67, 3.9), 128: (1.80, 3.33)},
+    # a head that drafts nothing the target takes (prompts unlike its training): every tree costs
+    "plain decoding best": {PLAIN: (1.34, 1.0), 16: (1.67, 1.15), 32: (1.51, 1.2), 64: (1.67, 1.25),
+                            128: (1.80, 1.3)},
 }
 
 

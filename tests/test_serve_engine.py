@@ -5,6 +5,7 @@ the queue bound and shutdown behave, and after the full warm-up no request compi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import queue
 import time
 
@@ -17,10 +18,11 @@ from drafters import TargetGreedyDrafter
 from test_speculative import chi_square_pvalue, exact_token_distributions
 
 from jetspec_jax.api import random_head
-from jetspec_jax.autoregressive import GenerationConfig, generate_tokens
+from jetspec_jax.autoregressive import GenerationConfig, generate_tokens, prefill
 from jetspec_jax.compilation import CompileWatch
 from jetspec_jax.sampling import SamplingConfig
 from jetspec_jax.serve import slots as device
+from jetspec_jax.serve.budget import PLAIN
 from jetspec_jax.serve.engine import (Engine, EngineClosedError, EngineRequest, FinishEvent, QueueFullError,
                                       RequestHandle, SamplingParams, TokenEvent)
 from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_generate
@@ -114,6 +116,48 @@ def test_tree_causal_requests_on_the_kernel_draft_path_equal_ar(target, heads):
     assert [tokens for tokens, _ in results] == offline(target, None, "ar", PROMPTS[:3], LIMITS[:3])
 
 
+def test_plain_chunks_keep_the_head_context(target, heads):
+    """A plain decoding chunk of a speculative engine (auto's PLAIN arm) shows the head every token it
+    commits: after admission and a plain chunk, each slot's head context is the one a prefill of all
+    its committed tokens but the newest gives, so the next tree is drafted from the right context."""
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=2, max_len=128, budget="auto", width=3,
+                    chunk_steps=5, stop_token_ids=(EOS,))
+    greedy = SamplingParams().config()
+    args, kwargs = engine._admit_call([(0, PROMPTS[0], greedy, 40, 0), (1, PROMPTS[1], greedy, 40, 0)])
+    engine.slots, first, _ = device.admit(*args, **kwargs)
+    program, args, kwargs = engine._chunk_call(PLAIN, 2)
+    slots, out = program(*args, **kwargs)
+    assert int(out.steps) == 5
+    for row, prompt in enumerate(PROMPTS[:2]):
+        committed = [int(first[row])] + np.asarray(out.tokens[row, : int(out.num_tokens[row])]).tolist()
+        seen = prompt + committed[:-1]
+        _, taps, _ = prefill(target.params, jnp.asarray([seen]), jnp.asarray([len(seen)]), target.cfg, 128,
+                             tap_layers=tuple(engine.drafter.tap_layers))
+        state = engine.drafter.init_state(engine.head_params, 1, 128, jnp.float32)
+        want = engine.drafter.observe(engine.head_params, state, taps, jnp.asarray([len(seen)]))
+        assert int(slots.draft.lengths[row]) == len(seen)
+        for got_k, want_k in zip(slots.draft.k + slots.draft.v, want.k + want.v):
+            np.testing.assert_allclose(got_k[row, : len(seen)], want_k[0, : len(seen)], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_mixing_plain_and_tree_chunks_equals_offline_ar(target, heads):
+    """Chunks alternating between plain decoding and trees (as auto may choose them): every greedy
+    request's output is AR's, and both kinds of chunk ran."""
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=3, max_len=256, budget="auto", width=3,
+                    chunk_steps=4, stop_token_ids=(EOS,))
+    arms = itertools.cycle([PLAIN, 16])
+    engine.policy.choose = lambda live, batch=None: next(arms)
+    engine.stats.history = []
+    try:
+        handles = [engine.submit(EngineRequest(p, m)) for p, m in zip(PROMPTS, LIMITS)]
+        engine.start()
+        got = [collect(h)[0] for h in handles]
+    finally:
+        engine.shutdown()
+    assert got == offline(target, None, "ar", PROMPTS, LIMITS)
+    assert {chunk["budget"] for chunk in engine.stats.history} == {PLAIN, 16}
+
+
 def drafting_greedily(engine: Engine, target, depth: int = 4) -> Engine:
     """The engine with the target's own greedy chain for a drafter (a head that drafts well): at T>0 its
     drafts are often the target's samples, so acceptance really runs."""
@@ -198,7 +242,7 @@ def prompt_of(n: int) -> list[int]:
     return [(5 * i) % 90 + 3 for i in range(n)]
 
 
-AUTO_TABLE = [(1, 4, 1.0, 2.0), (1, 8, 1.2, 2.5), (4, 4, 1.5, 2.0), (4, 8, 2.0, 2.5)]  # budgets 4 and 8
+AUTO_TABLE = [(1, 4, 1.0, 2.0), (1, 8, 1.2, 2.5), (4, 4, 1.5, 2.0), (4, 8, 2.0, 2.5)]  # trees of 4 and 8, and plain
 
 
 def test_cublas_chunks_give_the_same_tokens(target, heads):
@@ -242,7 +286,7 @@ def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path
         return chunks, engine.max_context
 
     chunks, context = programs(budget="auto", cost_table=table)
-    assert chunks == [(b, r) for b in (4, 8) for r in (1, 2, 4, 8, 16, 32)] and 448 < context < 512
+    assert chunks == [(b, r) for b in (PLAIN, 4, 8) for r in (1, 2, 4, 8, 16, 32)] and 448 < context < 512
     assert programs(budget=8, slots=12, min_batch=4)[0] == [(8, 4), (8, 8), (8, 12)]
     assert programs(budget=16, min_batch=32)[0] == [(16, 32)]
 
@@ -250,11 +294,11 @@ def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path
 @pytest.mark.parametrize("method, slots", [("jetspec", 3), ("ar", 5)])
 def test_full_warm_up_leaves_nothing_to_compile(target, heads, tmp_path, method, slots):
     """After the full warm-up, requests of every prompt bucket (the longest prompt accepted included), every
-    batch size a chunk runs (1, 2, 3 of 3 slots; 1, 2, 4, 5 of 5), each budget of `auto`'s table, greedy
+    batch size a chunk runs (1, 2, 3 of 3 slots; 1, 2, 4, 5 of 5), each budget `auto` may pick (plain included), greedy
     and sampled, and a cancellation compile nothing: not one program, not one eager operation."""
     engine = Engine(target, heads[method], method=method, slots=slots, max_len=192, budget="auto", width=3,
                     chunk_steps=2, max_queue=32, cost_table=cost_table(tmp_path, AUTO_TABLE), stop_token_ids=())
-    budgets = (4, 8) if method == "jetspec" else (None,)
+    budgets = (PLAIN, 4, 8) if method == "jetspec" else (None,)
     if engine.policy is not None:  # alternate the budgets, so that each runs at each batch size
         choices = iter(budgets * 1000)
         engine.policy.choose = lambda live, batch=None: next(choices)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from test_serve_load import tiny_model_head_and_data
 
-from jetspec_jax.serve.budget import CostTable
+from jetspec_jax.serve.budget import PLAIN, CostTable
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                       "serve_step_costs.py")
@@ -29,8 +29,9 @@ def test_serve_step_costs_writes_a_table_the_policy_reads(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], r["batch"], r["budget"]) for r in rows] == [
-        (m, n, b) for n in (1, 2) for m, b in (("ar", None), ("jetspec", 4), ("jetspec", 8))]
+        (m, n, b) for n in (1, 2) for m, b in (("ar", None), ("jetspec", PLAIN), ("jetspec", 4), ("jetspec", 8))]
     assert all(r["chunks"] > 0 and r["step_ms"] > 0 and r["tau"] >= 1 for r in rows), rows
+    assert all(r["tau"] == 1 for r in rows if r["budget"] in (None, PLAIN))
     assert all(r["step_over_ar"] > 0 for r in rows if r["method"] == "jetspec")
     costs = CostTable.read(str(table))
-    assert all(costs.step_time(n, b) > 0 for n in (1, 2) for b in (4, 8))
+    assert all(costs.step_time(n, b) > 0 for n in (1, 2) for b in (PLAIN, 4, 8))

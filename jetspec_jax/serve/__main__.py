@@ -68,7 +68,8 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--max-len", type=int, default=2048, help="cache rows per slot: prompt + answer")
     p.add_argument("--budget", type=budget_arg, default=64,
-                   help="tree nodes verified per step, or 'auto' to pick it from the load")
+                   help="tree nodes verified per step, or 'auto' to pick it from the load, plain decoding "
+                        "included where no tree pays")
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--chunk-steps", type=int, default=8, help="decode steps per device call between admissions")
     p.add_argument("--max-admit", type=int, default=8, help="queued prompts prefilled together in one device call")

@@ -1,5 +1,6 @@
 """The draft budget of each chunk, chosen from the load: large trees when few slots are live, small
-ones when many are, by the expected tokens per second n * tau(B) / step_time(n, B).
+ones when many are, plain decoding (PLAIN) where no tree pays, by the expected tokens per second
+n * tau(B) / step_time(n, B).
 
 The step times and taus come from a cost table (`benchmarks/serve_step_costs.py` writes one; tables for
 known targets and devices ship in cost_tables/) and are refined online from what the engine observes;
@@ -19,6 +20,7 @@ import numpy as np
 from jetspec_jax.errors import DamagedFileError
 
 AUTO_BUDGETS = (16, 32, 64, 128)
+PLAIN = 1  # a tree of the root alone: a plain decoding step (tau 1), the arm that keeps auto >= AR
 TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_tables")
 TABLE_CHUNKS = 4.0  # the table's value counts as 4 chunks: the first observations correct it fast ...
 OBSERVED_WEIGHT = 0.05  # ... then a moving average over ~20 chunks (one chunk's tau is a noisy sample)
@@ -36,7 +38,7 @@ def load_bucket(live: int) -> int:
 
 @dataclasses.dataclass
 class CostTable:
-    step_ms: dict[tuple[int, int], float]  # (batch, budget) -> milliseconds a step
+    step_ms: dict[tuple[int, int], float]  # (batch, budget) -> milliseconds a step; budget PLAIN: plain decoding
     tau: dict[int, float]  # budget -> tokens committed per verify pass
     source: str = "online"
 
@@ -111,8 +113,8 @@ class BudgetPolicy:
             return BudgetPolicy((budget,), False, CostTable({}, {}))
         path = cost_table or shipped_table(target, method)
         table = CostTable.read(path) if path else CostTable({}, {})
-        budgets = tuple(sorted({b for _, b in table.step_ms})) or AUTO_BUDGETS
-        return BudgetPolicy(budgets, True, table)
+        trees = tuple(sorted({b for _, b in table.step_ms} - {PLAIN})) or AUTO_BUDGETS
+        return BudgetPolicy((PLAIN, *trees), True, table)
 
     def step_ms(self, batch: int, budget: int) -> float | None:
         """The step time estimate of a step of `batch` rows: observed at its load, else the table's."""
@@ -123,6 +125,8 @@ class BudgetPolicy:
         """The tau estimate at a step of `batch` rows: observed at its load, else the table's. Kept per
         load, not shared: the requests live at one load (a quiet hour's few) would otherwise set the
         ranking at another (a busy one's many), and a moving average takes ~20 chunks to forget them."""
+        if budget == PLAIN:
+            return 1.0
         return self.observed_tau.get((load_bucket(batch), budget), self.table.tau.get(budget))
 
     def expected_rate(self, live: int, budget: int, batch: int | None = None) -> float | None:

@@ -21,7 +21,7 @@ import numpy as np
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import RowSampling, SamplingConfig, seed_words
 from jetspec_jax.serve import slots as device
-from jetspec_jax.serve.budget import BudgetPolicy, load_bucket
+from jetspec_jax.serve.budget import PLAIN, BudgetPolicy, load_bucket
 from jetspec_jax.serve.warmup import WarmUp
 from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig, check_gemm_backend
 from jetspec_jax.tokens import pad_token, stop_tokens
@@ -154,15 +154,16 @@ class Engine:
         # the decode layout (q/k/v and gate/up concatenated) once: fused inside the programs, the 60
         # concatenations ran in every chunk and admission (21 us of a 1.2 ms step, serve_chunk_profile)
         self.params = qwen3.fuse_for_decode(target.params)  # passes already fused weights through
+        specs = []
         if method == "ar":
             self.drafter, self.head_params, self.policy = None, None, None
         else:
             head_cfg, self.head_params = head
             self.drafter = HeadDrafter(head_cfg, target.cfg, attention_impl=draft_attention)
             self.policy = BudgetPolicy.create(budget, width, slots, target, cost_table, method)
-            self.drafter = self.drafter.for_specs(self.spec(b) for b in self.policy.budgets)  # jetspec-tc's rows
-        scratch = max([device.scratch_rows(self.spec(b), self.spec(b).depth(self.drafter.max_depth))  # validates
-                       for b in self.policy.budgets] if self.policy else [1])
+            specs = [self.spec(b) for b in self.policy.budgets if b != PLAIN]
+            self.drafter = self.drafter.for_specs(specs)  # jetspec-tc's rows
+        scratch = max([1] + [device.scratch_rows(s, s.depth(self.drafter.max_depth)) for s in specs])  # validates
         rows = -(-max_len // 64) * 64
         if rows > target.cfg.max_position_embeddings + scratch:
             rows = -(-(target.cfg.max_position_embeddings + scratch) // 64) * 64
@@ -180,8 +181,10 @@ class Engine:
         self.warm_up: WarmUp | None = None
         self.stats = EngineStats()
 
-    def spec(self, budget: int) -> SpecConfig | None:
-        if self.method == "ar":
+    def spec(self, budget: int | None) -> SpecConfig | None:
+        """The speculative step of a chunk at `budget`; None for a plain decoding chunk (method "ar", or
+        the auto policy's PLAIN arm, whose steps also keep the head's context up to date)."""
+        if self.method == "ar" or budget in (None, PLAIN):
             return None
         return SpecConfig(self.method, budget, self.width, self.max_depth, self.attention,
                           tree_temperature=self.tree_temperature)
@@ -207,8 +210,8 @@ class Engine:
 
     def programs(self) -> list[tuple]:
         """Every program a run can need, chunks first (they compile longest): ("chunk", budget, rows) for
-        each budget the policy may pick (None for AR) and each batch size chunk_rows can give, and
-        ("admit", width, rows) for each group size and prompt bucket up to the longest prompt
+        each budget the policy may pick (None for AR, PLAIN for auto's plain decoding) and each batch size
+        chunk_rows can give, and ("admit", width, rows) for each group size and prompt bucket up to the longest prompt
         check_request accepts."""
         budgets = self.policy.budgets if self.policy else (None,)
         rows = sorted({self.chunk_rows(top) for top in range(1, self.num_slots + 1)})
@@ -236,8 +239,9 @@ class Engine:
         return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids)
 
     def _chunk_call(self, budget: int | None, rows: int, return_early: bool = False):
-        """(the chunk program, its arguments) for a chunk of `rows` slot rows at `budget` (None: AR)."""
-        spec = None if budget is None else self.spec(budget)
+        """(the chunk program, its arguments) for a chunk of `rows` slot rows at `budget` (None or PLAIN:
+        plain decoding)."""
+        spec = self.spec(budget)
         program = device.CHUNK_PROGRAMS[device.chunk_gemm_backend(self.gemm_backend, spec, rows)]
         return program, (self.params, self.head_params, self.slots, np.bool_(return_early)), dict(
             cfg=self.target.cfg, drafter=self.drafter, spec=spec, steps=self.chunk_steps,

@@ -101,8 +101,9 @@ def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *,
                spec: SpecConfig | None, steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int,
                attention: str = "auto", active: int | None = None) -> tuple[Slots, ChunkOutput]:
     """Up to `steps` steps for the slots (speculative with `spec`, else one AR token each, with
-    `attention` as the decode steps' attention). With `return_early` (a bool the host sets when requests
-    wait for a slot) it returns after the step in which any slot finished, so the host can refill it.
+    `attention` as the decode steps' attention; with a drafter, plain steps keep its context up to
+    date). With `return_early` (a bool the host sets when requests wait for a slot) it returns after
+    the step in which any slot finished, so the host can refill it.
     Only the first `active` slots run (the host keeps the live ones there): a light load pays for a
     small batch, not for every slot."""
     if active is not None and active < slots.anchor.shape[0]:
@@ -113,6 +114,7 @@ def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *,
         return jax.tree.map(lambda a, h: a.at[:active].set(h), slots, head), out
     params = qwen3.fuse_for_decode(params)
     depth = 0 if spec is None else spec.depth(drafter.max_depth)
+    tap_layers = () if drafter is None else tuple(drafter.tap_layers)
     per_step = depth + 1
     n = slots.anchor.shape[0]
     out = jnp.full((n, steps * per_step), pad_token_id, jnp.int32)
@@ -120,9 +122,12 @@ def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *,
     def step(slots: Slots):
         live, remaining = slots.live, slots.limit - slots.num
         if spec is None:
-            logits, _, cache = qwen3.forward(params, slots.anchor[:, None], slots.cache.lengths[:, None],
-                                             slots.cache, cfg, attention_impl=attention)
+            logits, taps, cache = qwen3.forward(params, slots.anchor[:, None], slots.cache.lengths[:, None],
+                                                slots.cache, cfg, tap_layers=tap_layers, attention_impl=attention)
             cache = cache.advance(live)
+            if tap_layers:  # a plain step of a speculative engine: the head sees the anchor enter the cache
+                slots = slots._replace(draft=drafter.observe(drafter_params, slots.draft, taps,
+                                                             live.astype(jnp.int32)))
             token = select_tokens(logits[:, 0], slots.keys, slots.sampling, slots.num)
             committed = jnp.where(live, 1, 0)
             hit_eos = live & is_stop_token(token, eos_token_ids)
