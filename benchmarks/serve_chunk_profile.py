@@ -6,10 +6,16 @@ batch) on real prompts, timed on the wall and profiled on the GPU, beside the of
         --out benchmarks/results/serve_chunk_profile_h200.json
 
 Per configuration: `wall_ms_per_step` (median over --chunks chunks, each read before the next
-launches, as the engine does; offline AR: the generation of --new-tokens less one of 16 tokens, over
+launches, as the engine does without overlap; offline AR: the generation of --new-tokens less one of 16 tokens, over
 the difference, so prefill cancels), `gpu_busy_ms_per_step` (summed kernel durations of one profiled
 chunk or generation), the idle gap between them (launch gaps, host round trips of the while loop;
 an upper bound, since tracing slows the host), kernel launches a step and the costliest kernel families.
+`launch_ms` is how long the chunk's launch call takes to return (median): a chunk whose loop reads
+its exit predicate back each step returns only once it has run. `pipelined_ms_per_step` launches each
+chunk before reading the last (the engine's `overlap`) over --chunks chunks. `--overlap` runs the
+engine's overlap chunks (`fixed`: all their steps, a loop of known trip count); XLA_FLAGS with
+`--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL` run the loop and the sampler's conditionals in
+CUDA graphs, on the device.
 """
 
 from __future__ import annotations
@@ -57,20 +63,31 @@ def profile_chunks(engine: Engine, budget: int | None, batch: int, args) -> dict
         last[:] = [out]
         return out.tokens
 
-    walls = []
+    walls, launches = [], []
     for i in range(args.warmup_chunks + args.chunks):
         t0 = time.perf_counter()
         chunk()
+        returned = time.perf_counter()
         steps = int(last[0].steps)  # waits for the chunk, as the engine reads each one
         if i >= args.warmup_chunks:
             walls.append((time.perf_counter() - t0) / max(steps, 1))
+            launches.append(returned - t0)
+    t0, previous = time.perf_counter(), None
+    for _ in range(args.chunks):  # each chunk launched before the last is read
+        launched = chunk()
+        if previous is not None:
+            np.asarray(previous)
+        previous = launched
+    np.asarray(previous)
+    pipelined = (time.perf_counter() - t0) / (args.chunks * args.chunk_steps)
     events, _ = gpu_kernel_events(chunk)  # the wall time under the profiler is not the one reported
     steps = int(last[0].steps)
     if steps < args.chunk_steps or not bool(np.asarray(engine.slots.live[:batch]).all()):
         raise RuntimeError(f"a slot finished inside the run (batch {batch}, budget {budget}): raise --max-len")
     name = "ar" if budget is None else f"{engine.method}_b{budget}"
     row = summarise(f"serve_{name}_batch{batch}", statistics.median(walls) * steps, events, steps, args.top)
-    row.update(source="serve", batch=batch, budget=budget)
+    row.update(source="serve", batch=batch, budget=budget, overlap=engine.overlap,
+               launch_ms=statistics.median(launches) * 1e3, pipelined_ms_per_step=pipelined * 1e3)
     return row
 
 
@@ -120,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=256, help="offline AR generation length")
     p.add_argument("--max-len", type=int, default=2048, help="cache rows per slot")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--overlap", action="store_true", help="the engine's overlap chunks (all steps, fixed)")
     p.add_argument("--top", type=int, default=15, help="kernel families listed per configuration")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     p.add_argument("--out", default=None, help="JSON results file")
@@ -131,15 +149,16 @@ def main(argv=None) -> int:
     prompts = [q for q in encode_prompts(target.tokenizer, math_and_chat_prompts(args.data_dir))
                if len(q) <= args.max_prompt_tokens]
     payload = dict(benchmark="serve_chunk_profile", target=target.name, method=args.method, width=args.width,
-                   chunk_steps=args.chunk_steps, max_len=args.max_len, environment=environment(), rows=[])
-    columns = ["config", "steps", "wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_idle_ms_per_step",
-               "launches_per_step"]
+                   chunk_steps=args.chunk_steps, max_len=args.max_len, overlap=args.overlap,
+                   environment=environment(), rows=[])
+    columns = ["config", "steps", "wall_ms_per_step", "launch_ms", "pipelined_ms_per_step", "gpu_busy_ms_per_step",
+               "gpu_idle_ms_per_step", "launches_per_step"]
     for batch in args.batches:
         payload["rows"].append(profile_offline_ar(target, prompts, batch, args))
         for budget in [None] + list(args.budgets):
             engine = Engine(target, None if budget is None else head, method="ar" if budget is None else args.method,
                             slots=max(args.batches), max_len=args.max_len, budget=budget or 16, width=args.width,
-                            chunk_steps=args.chunk_steps, stop_token_ids=())
+                            chunk_steps=args.chunk_steps, stop_token_ids=(), overlap=args.overlap)
             admit_all(engine, prompts, batch)
             payload["rows"].append(profile_chunks(engine, budget, batch, args))
             print_table(payload["rows"][-1:], columns)

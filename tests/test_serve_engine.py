@@ -73,12 +73,14 @@ PROMPTS = [[5, 12, 40], list(range(10, 27)), [90, 3, 3, 8, 60] * 8, [44] * 9, [2
 LIMITS = [12, 30, 7, 20, 25, 16]
 
 
-@pytest.mark.parametrize("method, overlap", [("jetspec", False), ("ddtree", False), ("ar", False), ("ddtree", True)])
+@pytest.mark.parametrize("method, overlap", [("jetspec", False), ("ddtree", False), ("ar", False), ("ddtree", True),
+                                             ("ar", True)])
 def test_t0_requests_equal_offline_generation(target, heads, method, overlap):
     """Six requests on three slots (the first three admitted in one call, the later ones as earlier
     ones finish), with sampled requests sharing the batch: each greedy output is offline generation's,
-    token for token, whether chunks overlap the host's reading of the last one or not (jetspec after
-    the full warm-up, whose runs leave no trace in the slots)."""
+    token for token, whether chunks overlap the host's reading of the last one (and run all their
+    steps, slots that ended idling) or not (jetspec after the full warm-up, whose runs leave no trace in
+    the slots)."""
     engine = Engine(target, heads[method], method=method, slots=3, max_len=256, budget=8, width=3, chunk_steps=4,
                     stop_token_ids=(EOS,), overlap=overlap)
     try:
@@ -268,6 +270,24 @@ def test_auto_gemm_backend_is_cublas_for_large_batched_steps_on_gpu(monkeypatch)
     assert device.chunk_gemm_backend("auto", spec, 4) == "xla"
     assert device.chunk_gemm_backend("auto", None, 32) == "xla"  # AR keeps XLA's GEMMs
     assert device.chunk_gemm_backend("xla", spec, 32) == "xla"
+
+
+@pytest.mark.parametrize("method", ["ar", "jetspec"])
+def test_overlap_chunks_loop_a_known_number_of_steps(target, heads, method):
+    """An overlapping engine's chunk is a loop of known trip count (XLA runs it on a GPU without
+    reading a predicate back each step, so its launch returns before it has run); the default chunk's
+    loop exits on the slots' state."""
+    def loops(overlap: bool) -> list[str]:
+        engine = Engine(target, heads[method], method=method, slots=2, max_len=128, budget=8, width=3,
+                        chunk_steps=4, overlap=overlap)
+        program = next(p for p in engine.programs() if p[0] == "chunk")
+        text = engine.lower_program(program).compile().as_text()
+        return [line for line in text.splitlines() if " while(" in line]
+
+    fixed, default = loops(True), loops(False)
+    assert fixed and all("known_trip_count" in line for line in fixed)
+    assert any('"known_trip_count":{"n":"4"}' in line for line in fixed)  # the chunk's own loop
+    assert any("known_trip_count" not in line for line in default)
 
 
 def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path):

@@ -128,9 +128,11 @@ class Engine:
         `max_depth` and `tree_temperature` are SpecConfig's, `draft_attention` HeadDrafter's; `gemm_backend`
         is a speculative.GEMM_BACKENDS name or "auto" (device.chunk_gemm_backend: per chunk size).
         Up to `max_admit` queued prompts are prefilled in one call. With `overlap` the device thread
-        launches the next chunk before it reads the last one's tokens. It was slower on the H200 (docs/
-        serving.md): XLA's GPU while loop reads its predicate back every iteration, so a chunk's launch
-        returns only once its loop is done, and overlap only hands out each chunk's tokens a chunk late.
+        launches the next chunk before it reads the last one's tokens, and chunks run all their steps
+        (slots.py's `fixed`): a loop whose exit depends on the slots reads its predicate back to the host
+        every step on a GPU, so its launch would return only once it had run, while a loop of known trip
+        count returns at once and the host's work between chunks overlaps the device's. A slot that
+        ends then idles to the end of its chunk and the one launched behind it.
         The engine decodes with the target's weights in the decode layout (qwen3.fuse_for_decode): a copy,
         unless they are fused already (the server fuses them before it builds the engine)."""
         if method != "ar" and method not in METHODS:
@@ -245,12 +247,14 @@ class Engine:
         program = device.CHUNK_PROGRAMS[device.chunk_gemm_backend(self.gemm_backend, spec, rows)]
         return program, (self.params, self.head_params, self.slots, np.bool_(return_early)), dict(
             cfg=self.target.cfg, drafter=self.drafter, spec=spec, steps=self.chunk_steps,
-            eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, attention=self.attention, active=rows)
+            eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, attention=self.attention, active=rows,
+            fixed=self.overlap)
 
     def _warm_up_call(self, program: tuple):
         """(jitted function, args, kwargs) of a run of `program` that changes no request: one-token prompts
         admitted into the first slots with max_tokens 1 (they end at admission), or a chunk in which no
-        slot is live (its loop runs no step). Only while every slot is free."""
+        slot is live (its loop runs no step, or with `overlap` steps whose writes no request reads). Only
+        while every slot is free."""
         if program[0] == "admit":
             _, width, rows = program
             greedy = SamplingParams().config()
@@ -526,8 +530,9 @@ class Engine:
         self.stats.add_chunk(chunk.budget, chunk.live, chunk.active, steps, committed, accepted, seconds, timed=timed)
         if self.policy is not None and steps and timed:
             live_steps = chunk.live * steps
-            self.policy.observe(chunk.budget, chunk.active, seconds / steps, (accepted + live_steps) / live_steps,
-                                steps)
+            device_steps = self.chunk_steps if self.overlap else steps  # a fixed chunk runs them all
+            self.policy.observe(chunk.budget, chunk.active, seconds / device_steps,
+                                (accepted + live_steps) / live_steps, steps)
         for i, handle in enumerate(chunk.owners):
             if handle is None or counts[i] == 0 or not self._owns(i, handle):
                 continue

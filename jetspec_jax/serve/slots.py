@@ -1,7 +1,7 @@
 """Device side of the server: a fixed set of sequence slots sharing one target cache and one head
 context, a jitted admission (prefill a group of prompts into free slots' rows) and a jitted chunk of
 steps for every live slot, which returns after `steps` steps, or as soon as a slot finishes when the
-host has requests waiting for one."""
+host has requests waiting for one (a `fixed` chunk always runs `steps`)."""
 
 from __future__ import annotations
 
@@ -99,18 +99,20 @@ def release(slots: Slots, index: int) -> Slots:
 
 def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *, cfg: qwen3.Config, drafter,
                spec: SpecConfig | None, steps: int, eos_token_ids: tuple[int, ...], pad_token_id: int,
-               attention: str = "auto", active: int | None = None) -> tuple[Slots, ChunkOutput]:
+               attention: str = "auto", active: int | None = None, fixed: bool = False) -> tuple[Slots, ChunkOutput]:
     """Up to `steps` steps for the slots (speculative with `spec`, else one AR token each, with
     `attention` as the decode steps' attention; with a drafter, plain steps keep its context up to
     date). With `return_early` (a bool the host sets when requests wait for a slot) it returns after
-    the step in which any slot finished, so the host can refill it.
-    Only the first `active` slots run (the host keeps the live ones there): a light load pays for a
-    small batch, not for every slot."""
+    the step in which any slot finished, so the host can refill it. With `fixed` it runs all `steps`
+    (a slot that ends idles, `return_early` is ignored): a loop of known trip count, which XLA runs on
+    a GPU without reading a predicate back each step, so the launch returns at once and the host can
+    queue the next chunk behind it. Only the first `active` slots run (the host keeps the live ones
+    there): a light load pays for a small batch, not for every slot."""
     if active is not None and active < slots.anchor.shape[0]:
         head = jax.tree.map(lambda a: a[:active], slots)
         head, out = _run_chunk(params, drafter_params, head, return_early, cfg=cfg, drafter=drafter, spec=spec,
                                steps=steps, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                               attention=attention)
+                               attention=attention, fixed=fixed)
         return jax.tree.map(lambda a, h: a.at[:active].set(h), slots, head), out
     params = qwen3.fuse_for_decode(params)
     depth = 0 if spec is None else spec.depth(drafter.max_depth)
@@ -155,19 +157,24 @@ def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *,
 
     def body(carry):
         i, slots, out, emitted, finished, accepted = carry
+        ran = jnp.any(slots.live).astype(jnp.int32)  # a fixed loop's steps after every slot ended count not
         slots, tokens, committed, newly_finished, step_accepted = step(slots)
         out = write_block(out, tokens, emitted)
-        return i + 1, slots, out, emitted + committed, finished | newly_finished, accepted + step_accepted
+        return i + ran, slots, out, emitted + committed, finished | newly_finished, accepted + step_accepted
 
     zeros = jnp.zeros((n,), jnp.int32)
     carry = (jnp.int32(0), slots, out, zeros, jnp.zeros((n,), bool), jnp.int32(0))
-    i, slots, out, emitted, finished, accepted = lax.while_loop(cond, body, carry)
+    if fixed:
+        carry = lax.fori_loop(0, steps, lambda _, c: body(c), carry)
+    else:
+        carry = lax.while_loop(cond, body, carry)
+    i, slots, out, emitted, finished, accepted = carry
     return slots, ChunkOutput(tokens=out, num_tokens=emitted, finished=finished, steps=i, accepted=accepted)
 
 
 # one jitted chunk per GEMM backend (compiler options are per executable): see chunk_gemm_backend
 CHUNK_PROGRAMS = {name: jax.jit(_run_chunk, static_argnames=("cfg", "drafter", "spec", "steps", "eos_token_ids",
-                                                             "pad_token_id", "attention", "active"),
+                                                             "pad_token_id", "attention", "active", "fixed"),
                                 donate_argnames=("slots",), compiler_options=options)
                   for name, options in GEMM_BACKENDS.items()}
 
