@@ -23,6 +23,9 @@ from jax import lax
 from jetspec_jax.autoregressive import GenerationConfig, is_stop_token, prefill
 from jetspec_jax.kernels.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS
+from jetspec_jax.kernels.head_attention import IMPLEMENTATIONS as DRAFT_ATTENTION_IMPLS  # noqa: F401 (re-exported)
+from jetspec_jax.kernels.head_attention import check_implementation as check_draft_attention  # noqa: F401 (re-exported)
+from jetspec_jax.kernels.head_attention import resolve_implementation as resolve_draft_attention
 from jetspec_jax.kernels.top_k import IMPLEMENTATIONS as TOP_K_IMPLS
 from jetspec_jax.kernels.tree_build import IMPLEMENTATIONS as TREE_IMPLS
 from jetspec_jax.kernels.tree_build import build_trees
@@ -35,7 +38,6 @@ from jetspec_jax.verify import accept, compact_cache, verify_tree
 
 # the head's: a dense mask or the tree kernel; auto = the kernel on GPU (it drafts 1.1-1.8x faster on the H200,
 # jetspec-tc's second pass 1.1-4x: benchmarks/results/spec_step_breakdown_tree_causal_batch*_h200.json)
-DRAFT_ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
 METHODS = ("jetspec", "ddtree", "dflash", "jetspec-tc")
 ATTENTION_OF_METHOD = {"jetspec": "causal", "jetspec-tc": "causal", "ddtree": "bidirectional",
@@ -62,23 +64,6 @@ def check_gemm_backend(value: str) -> None:
     """Shared by SpecConfig and the eval's settings (checked there before the target loads)."""
     if value not in GEMM_BACKENDS:
         raise ValueError(f"gemm_backend {value!r} is not one of {', '.join(GEMM_BACKENDS)}")
-
-
-def resolve_draft_attention(value: str) -> str:
-    """The implementation `value` names here: "auto" is "pallas" on GPU and "xla" elsewhere."""
-    check_draft_attention(value)
-    if value == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return value
-
-
-def check_draft_attention(value: str) -> None:
-    """Shared by HeadDrafter and the eval's settings (checked there before the target loads)."""
-    if value not in DRAFT_ATTENTION_IMPLS:
-        raise ValueError(f"draft attention_impl {value!r} is not one of {', '.join(DRAFT_ATTENTION_IMPLS)}")
-    if value == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"draft_attention 'pallas' runs only on a GPU (this backend is {jax.default_backend()}); "
-                         "use 'xla', or 'pallas_interpret' for the kernel's semantics")
 
 
 @dataclasses.dataclass(frozen=True)

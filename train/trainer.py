@@ -92,7 +92,7 @@ def student_loss(head_params, target_params, batch, targets, *, loss_cfg: LossCo
     """One head's loss against `teacher_targets`: (loss, (student logits, teacher logits, labels, valid, tree
     logits)). A causal head with loss.tree_causal_weight > 0 also learns the tree-causal pass along the data
     (its logits have the block's layout and targets); for other heads the tree logits are None. `attention`:
-    the heads' context attention (draft_head.training_attention)."""
+    the heads' context attention (head_attention.resolve_training_implementation)."""
     labels, valid, teacher_logits, taps = targets
     compute_params = jax.tree.map(lambda p: p.astype(dtype), head_params)
     loss_of = functools.partial(draft_loss, teacher_logits=teacher_logits, labels=labels, valid=valid,

@@ -12,23 +12,20 @@ context length + depth, under any per-sequence block mask. `tree_logits` is the 
 distribution conditioned on its path.
 
 Context keys/values are cached per sequence (`DraftContext`) and extended as tokens are committed;
-block slots are never cached.
+block slots are never cached. Attention runs through kernels/head_attention.py, which decides the
+implementation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax.kernels import precision
-from jetspec_jax.kernels.attention import attention_scores_softmax
-from jetspec_jax.kernels.prefix_attention import prefix_attention, prefix_attention_supported
-from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
+from jetspec_jax.kernels import head_attention, precision
 from jetspec_jax.kv_cache import write_block
 from jetspec_jax.models import qwen3
 from jetspec_jax.models.params import ParamSpec
@@ -218,29 +215,14 @@ def extend_context(params: Mapping[str, Any], ctx: DraftContext, taps: jax.Array
 
 
 def head_layer(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
-               mask: jax.Array, cos: jax.Array, sin: jax.Array, cfg: DraftConfig) -> jax.Array:
-    """One decoder layer for block queries x (B, T, D) against [context keys ; block keys].
-    mask (B, T, C + T) covers both."""
+               ctx_lengths: jax.Array, visibility: head_attention.BlockVisibility, cos: jax.Array, sin: jax.Array,
+               cfg: DraftConfig) -> jax.Array:
+    """One decoder layer for block queries x (B, T, D) against [context keys ; block keys], each slot
+    seeing what `visibility` allows."""
     layer_cfg = cfg.layer_config()
     q, k, v = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
-    keys = jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], axis=1)
-    values = jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], axis=1)
-    attn = attention_scores_softmax(q, keys, values, mask)
+    attn = head_attention.context_block_attention(q, k, v, ctx_k, ctx_v, ctx_lengths, visibility)
     return qwen3.finish_layer(x, attn, layer, layer_cfg, 0)
-
-
-def head_layer_tree_attention(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
-                              lengths: jax.Array, block_words: jax.Array, cos: jax.Array, sin: jax.Array,
-                              cfg: DraftConfig, implementation: str) -> jax.Array:
-    """`head_layer` through tree attention: the block's keys/values go into copies of the context
-    buffers at rows lengths .. lengths+T-1 (past the committed context: scratch that extend_context
-    overwrites), where the block slots attend as tree nodes; block_words (B, T, W) is the block mask
-    packed by `pack_tree_mask`, any pattern. Needs lengths + T <= the buffers' rows."""
-    layer_cfg = cfg.layer_config()
-    q, k, v = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
-    keys, values = write_block(ctx_k, k, lengths), write_block(ctx_v, v, lengths)
-    attn = tree_attention(q.astype(keys.dtype), keys, values, lengths, block_words, implementation=implementation)
-    return qwen3.finish_layer(x, attn.astype(q.dtype), layer, layer_cfg, 0)
 
 
 def block_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any], anchor: jax.Array,
@@ -265,24 +247,16 @@ def slot_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any],
 def block_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, block_mask: jax.Array,
                  ctx: DraftContext, cfg: DraftConfig, attention_impl: str = "xla") -> jax.Array:
     """The head's layers over block slots x (B, T, D) at positions ctx.lengths + depths (B, T): every
-    slot sees the committed context and the slots block_mask (B, T, T) allows. attention_impl "xla": a
-    dense mask over [context ; block]; otherwise a tree_attention implementation ("pallas",
-    "pallas_interpret"), which needs T rows free past every ctx.lengths. Returns (B, T, D)."""
+    slot sees the committed context and the slots block_mask (B, T, T) allows. attention_impl: a
+    head_attention implementation, resolved ("pallas" needs T rows free past every ctx.lengths).
+    Returns (B, T, D)."""
     b, t = x.shape[:2]
     positions = ctx.lengths[:, None] + depths
     cos, sin = qwen3.rope_tables(positions, qwen3.rope_inverse_frequencies(cfg.layer_config()))
     block_mask = jnp.broadcast_to(block_mask.astype(bool), (b, t, t))
-    if attention_impl != "xla":
-        words = pack_tree_mask(block_mask)
-        for i, layer in enumerate(params["layers"]):
-            x = head_layer_tree_attention(x, layer, ctx.k[i], ctx.v[i], ctx.lengths, words, cos, sin, cfg,
-                                          attention_impl)
-        return x
-    ctx_len = ctx.k[0].shape[1]
-    ctx_visible = jnp.arange(ctx_len)[None, :] < ctx.lengths[:, None]  # (B, C)
-    mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None, :], (b, t, ctx_len)), block_mask], axis=2)
+    visibility = head_attention.block_visibility(ctx.lengths, ctx.k[0].shape[1], block_mask, attention_impl)
     for i, layer in enumerate(params["layers"]):
-        x = head_layer(x, layer, ctx.k[i], ctx.v[i], mask, cos, sin, cfg)
+        x = head_layer(x, layer, ctx.k[i], ctx.v[i], ctx.lengths, visibility, cos, sin, cfg)
     return x
 
 
@@ -332,94 +306,6 @@ def tree_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], tar
     return slot_logits(params, target_params, target_cfg, x[:, n:], cfg)
 
 
-# The training path's context scores (rows x heads x block queries x context keys, fp32) per anchor
-# chunk: 1 GiB. Longer sequences run more chunks, recomputed in the backward pass, instead of holding
-# scores quadratic in length (8 rows of 4,608 tokens with 346 anchors each: 6.8 GiB per layer at once).
-TRAINING_SCORES_PER_CHUNK = 1 << 28
-
-
-def anchored_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                             anchors: jax.Array, block_mask: jax.Array) -> jax.Array:
-    """Attention of K blocks at once: block j's slots see the context positions < anchors[j] and the
-    slots of their own block that block_mask (blk, blk) allows, in one softmax (fp32), never another
-    block. q (B, K, blk, H, hd), k/v (B, K, blk, Hkv, hd), ctx_k/ctx_v (B, S, Hkv, hd), anchors (B, K)
-    -> (B, K, blk, H, hd). The two key sets are scored apart (no K x K block mask) and merged by their
-    maxima and sums, as flash attention merges key tiles."""
-    b, nk, blk, h, hd = q.shape
-    hkv, s = k.shape[3], ctx_k.shape[1]
-    scale = 1.0 / math.sqrt(hd)
-    q = q.reshape(b, nk, blk, hkv, h // hkv, hd)
-    ctx_scores = precision.einsum("bnqkgd,bskd->bnkgqs", q, ctx_k, preferred_element_type=jnp.float32) * scale
-    ctx_visible = jnp.arange(s)[None, None, :] < anchors[:, :, None]  # (B, K, S)
-    ctx_scores = jnp.where(ctx_visible[:, :, None, None, None, :], ctx_scores, -jnp.inf)
-    own_scores = precision.einsum("bnqkgd,bnskd->bnkgqs", q, k, preferred_element_type=jnp.float32) * scale
-    own_scores = jnp.where(block_mask, own_scores, -jnp.inf)  # every slot sees itself: a finite maximum
-    peak = jax.lax.stop_gradient(jnp.maximum(jnp.max(ctx_scores, axis=-1), jnp.max(own_scores, axis=-1)))[..., None]
-    ctx_p, own_p = jnp.exp(ctx_scores - peak), jnp.exp(own_scores - peak)
-    total = jnp.sum(ctx_p, axis=-1) + jnp.sum(own_p, axis=-1)  # (B, K, Hkv, G, blk)
-    out = (precision.einsum("bnkgqs,bskd->bnqkgd", ctx_p.astype(ctx_v.dtype), ctx_v, preferred_element_type=jnp.float32)
-           + precision.einsum("bnkgqs,bnskd->bnqkgd", own_p.astype(v.dtype), v, preferred_element_type=jnp.float32))
-    out = out / jnp.moveaxis(total, -1, 2)[..., None]
-    return out.reshape(b, nk, blk, h, hd).astype(q.dtype)
-
-
-def anchored_block_attention_chunked(q, k, v, ctx_k, ctx_v, anchors, block_mask, anchors_per_chunk: int):
-    """`anchored_block_attention` over chunks of at most `anchors_per_chunk` anchors (as few chunks as that
-    allows, evened out) in a loop, each chunk's scores recomputed in the backward pass instead of stored,
-    so memory holds one chunk's scores."""
-    nk = q.shape[1]
-    if nk <= anchors_per_chunk:
-        return anchored_block_attention(q, k, v, ctx_k, ctx_v, anchors, block_mask)
-    chunks = -(-nk // anchors_per_chunk)
-    anchors_per_chunk = -(-nk // chunks)
-    pad = chunks * anchors_per_chunk - nk
-
-    def split(x):  # (B, K, ...) -> (chunks, B, anchors_per_chunk, ...); padded anchors are dropped after
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(x.shape[0], chunks, anchors_per_chunk, *x.shape[2:]), 1, 0)
-
-    @jax.checkpoint
-    def one_chunk(args):
-        q_c, k_c, v_c, a_c = args
-        return anchored_block_attention(q_c, k_c, v_c, ctx_k, ctx_v, a_c, block_mask)
-
-    out = jax.lax.map(one_chunk, (split(q), split(k), split(v), split(anchors)))
-    out = jnp.moveaxis(out, 0, 1)
-    return out.reshape(out.shape[0], chunks * anchors_per_chunk, *out.shape[3:])[:, :nk]
-
-
-def anchored_block_attention_prefix(q, k, v, ctx_k, ctx_v, anchors, block_mask, implementation: str):
-    """`anchored_block_attention` with the context part through `prefix_attention` (a block's slots see the
-    keys before its anchor: limits = the anchor, flash-attention kernels on GPU, no score in memory) and
-    the block's own slots scored here; the two merged by their log-sum-exps."""
-    b, nk, blk, h, hd = q.shape
-    hkv = k.shape[3]
-    limits = jnp.broadcast_to(anchors[:, :, None], (b, nk, blk)).reshape(b, nk * blk)
-    ctx_out, ctx_lse = prefix_attention(q.reshape(b, nk * blk, h, hd), ctx_k, ctx_v, limits,
-                                        implementation=implementation)
-    qg = q.reshape(b, nk, blk, hkv, h // hkv, hd)
-    own = precision.einsum("bnqkgd,bnskd->bnkgqs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
-    own = jnp.where(block_mask, own, -jnp.inf)  # every slot sees itself: a finite log-sum-exp
-    own_lse = jax.nn.logsumexp(own, axis=-1)  # (B, K, Hkv, G, blk)
-    own_out = precision.einsum("bnkgqs,bnskd->bnqkgd", jax.nn.softmax(own, axis=-1).astype(v.dtype), v,
-                         preferred_element_type=jnp.float32).reshape(b, nk, blk, h, hd)
-    own_lse = jnp.moveaxis(own_lse, -1, 2).reshape(b, nk, blk, h)
-    ctx_lse = ctx_lse.reshape(b, nk, blk, h)
-    peak = jax.lax.stop_gradient(jnp.maximum(ctx_lse, own_lse))
-    ctx_w, own_w = jnp.exp(ctx_lse - peak), jnp.exp(own_lse - peak)  # a context of nothing weighs 0
-    out = (ctx_w[..., None] * ctx_out.reshape(b, nk, blk, h, hd).astype(jnp.float32)
-           + own_w[..., None] * own_out) / (ctx_w + own_w)[..., None]
-    return out.astype(q.dtype)
-
-
-def training_attention(attention_impl: str, head_dim: int) -> str:
-    """The training pass's context attention: "xla" (dense scores over anchor chunks) or a prefix_attention
-    implementation; "auto" takes the kernels where they run (GPU, a power-of-two head dim)."""
-    if attention_impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and prefix_attention_supported(head_dim) else "xla"
-    return attention_impl
-
-
 def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
                     tokens: jax.Array, taps: jax.Array, anchors: jax.Array, cfg: DraftConfig, *,
                     anchors_per_chunk: int | None = None, attention_impl: str = "auto") -> jax.Array:
@@ -430,7 +316,8 @@ def training_logits(params: Mapping[str, Any], target_params: Mapping[str, Any],
     (exactly what inference has when a_k is the newest committed token) and its own slots under the
     configured pattern, never other blocks. Returns fp32 logits (B, K, block-1, V) for depths 1..D.
     Memory is linear in S and K: the context attention runs over chunks of `anchors_per_chunk`
-    anchors (default: TRAINING_SCORES_PER_CHUNK context scores per chunk over the batch and heads).
+    anchors (default: head_attention.TRAINING_SCORES_PER_CHUNK context scores per chunk over the batch
+    and heads).
     """
     blk = cfg.block_size
     anchor_tokens = jnp.take_along_axis(tokens, anchors, axis=1)  # (B, K)
@@ -480,9 +367,7 @@ def anchored_blocks_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.
     x = x.reshape(b, k * blk, -1)
     positions = (anchors[:, :, None] + depths).reshape(b, k * blk)
     cos, sin = qwen3.rope_tables(positions, inv_freq)
-    attention_impl = training_attention(attention_impl, cfg.head_dim)
-    if anchors_per_chunk is None:
-        anchors_per_chunk = max(1, TRAINING_SCORES_PER_CHUNK // (b * cfg.num_heads * blk * s))
+    attention_impl = head_attention.resolve_training_implementation(attention_impl, cfg.head_dim)
     for layer in params["layers"]:
         with jax.named_scope("context_kv"):
             ctx_k, ctx_v = context_kv(layer, fused, ctx_cos, ctx_sin, cfg)
@@ -492,8 +377,7 @@ def anchored_blocks_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.
         with jax.named_scope("block_attention"):
             args = (per_block(q), per_block(bk).astype(ctx_k.dtype), per_block(bv).astype(ctx_v.dtype), ctx_k,
                     ctx_v, anchors, block_mask)
-            attn = (anchored_block_attention_chunked(*args, anchors_per_chunk) if attention_impl == "xla"
-                    else anchored_block_attention_prefix(*args, attention_impl))
+            attn = head_attention.anchored_attention(*args, attention_impl, anchors_per_chunk)
         with jax.named_scope("out_mlp"):
             x = qwen3.finish_layer(x, attn.reshape(b, k * blk, *attn.shape[3:]).astype(q.dtype), layer, layer_cfg,
                                    0)
