@@ -6,10 +6,11 @@ batch) on real prompts, timed on the wall and profiled on the GPU, beside the of
         --out benchmarks/results/serve_chunk_profile_h200.json
 
 Per configuration: `wall_ms_per_step` (median over --chunks chunks, each read before the next
-launches, as the engine does without overlap; offline AR: the generation of --new-tokens less one of 16 tokens, over
-the difference, so prefill cancels), `gpu_busy_ms_per_step` (summed kernel durations of one profiled
-chunk or generation), the idle gap between them (launch gaps, host round trips of the while loop;
-an upper bound, since tracing slows the host), kernel launches a step and the costliest kernel families.
+launches, as the engine does without overlap; offline AR: the generation of --new-tokens less one of
+16 tokens, over the difference, so prefill cancels), `gpu_busy_ms_per_step` (summed kernel durations
+of one profiled chunk or generation), the idle gap between them (launch gaps, host round trips of the
+while loop; an upper bound, since tracing slows the host), kernel launches a step and the costliest
+kernel families.
 `launch_ms` is how long the chunk's launch call takes to return (median): a chunk whose loop reads
 its exit predicate back each step returns only once it has run. `pipelined_ms_per_step` launches each
 chunk before reading the last (the engine's `overlap`) over --chunks chunks. `--overlap` runs the

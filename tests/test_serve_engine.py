@@ -314,8 +314,9 @@ def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path
 @pytest.mark.parametrize("method, slots", [("jetspec", 3), ("ar", 5)])
 def test_full_warm_up_leaves_nothing_to_compile(target, heads, tmp_path, method, slots):
     """After the full warm-up, requests of every prompt bucket (the longest prompt accepted included), every
-    batch size a chunk runs (1, 2, 3 of 3 slots; 1, 2, 4, 5 of 5), each budget `auto` may pick (plain included), greedy
-    and sampled, and a cancellation compile nothing: not one program, not one eager operation."""
+    batch size a chunk runs (1, 2, 3 of 3 slots; 1, 2, 4, 5 of 5), each budget `auto` may pick (plain
+    included), greedy and sampled, and a cancellation compile nothing: not one program, not one eager
+    operation."""
     engine = Engine(target, heads[method], method=method, slots=slots, max_len=192, budget="auto", width=3,
                     chunk_steps=2, max_queue=32, cost_table=cost_table(tmp_path, AUTO_TABLE), stop_token_ids=())
     budgets = (PLAIN, 4, 8) if method == "jetspec" else (None,)

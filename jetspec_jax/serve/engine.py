@@ -213,8 +213,8 @@ class Engine:
     def programs(self) -> list[tuple]:
         """Every program a run can need, chunks first (they compile longest): ("chunk", budget, rows) for
         each budget the policy may pick (None for AR, PLAIN for auto's plain decoding) and each batch size
-        chunk_rows can give, and ("admit", width, rows) for each group size and prompt bucket up to the longest prompt
-        check_request accepts."""
+        chunk_rows can give, and ("admit", width, rows) for each group size and prompt bucket up to the
+        longest prompt check_request accepts."""
         budgets = self.policy.budgets if self.policy else (None,)
         rows = sorted({self.chunk_rows(top) for top in range(1, self.num_slots + 1)})
         groups = sorted({self.admission_rows(n) for n in range(1, self.max_admit + 1)})
