@@ -74,7 +74,7 @@ class LiveServer:
                              max_len=args.max_len, budget=budget, width=args.width,
                              chunk_steps=options["chunk_steps"] or args.chunk_steps, max_queue=4 * args.slots,
                              cost_table=args.cost_table, max_admit=args.max_admit,
-                             overlap=options["overlap"]).start(warm_up=True)
+                             overlap=options["overlap"], prefill_chunk=args.prefill_chunk).start(warm_up=True)
         print(f"{variant}: warm-up compiles {self.engine.warm_up.describe()}", flush=True)
         self.engine.warm_up.wait(progress_bar=True)
         self.port = free_port()
@@ -204,6 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--chunk-steps", type=int, default=8)
     p.add_argument("--max-admit", type=int, default=8, help="prompts prefilled in one admission call")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="longer prompts are prefilled this many tokens a call")
     p.add_argument("--cost-table", default=None, help="for 'auto' (default: the shipped table, else online)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     p.add_argument("--out", default=None)

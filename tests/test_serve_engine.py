@@ -102,6 +102,52 @@ def test_t0_requests_equal_offline_generation(target, heads, method, overlap):
     assert engine.metrics()["requests_finished"] == len(greedy) + len(sampled)
 
 
+@pytest.mark.parametrize("method, overlap", [("jetspec", False), ("ddtree", True), ("ar", False)])
+def test_long_prompts_come_in_pieces_between_chunks(target, heads, method, overlap):
+    """Prompts longer than prefill_chunk are prefilled 64 tokens at a time while other requests decode:
+    chunks run between one prompt's pieces, the decoding slots' tokens and the long prompts' own are
+    offline generation's token for token (the chunks' steps write into a slot taking its prompt in
+    pieces; what they write there is overwritten or never read), and a request cancelled in the middle
+    of its pieces frees its slot."""
+    engine = Engine(target, heads[method], method=method, slots=3, max_len=256, budget=8, width=3, chunk_steps=2,
+                    stop_token_ids=(EOS,), overlap=overlap, prefill_chunk=64)
+    calls, dropped = [], []
+    for name in ("_admit_piece", "_launch_chunk"):
+        def logged(*args, _name=name, _call=getattr(engine, name)):
+            calls.append((_name, dict(engine.prefilling), engine._decoding()))
+            if _name == "_admit_piece" and dropped:  # cancel `dropped` once one of its pieces is in
+                index, start = next(iter(engine.prefilling.items()))
+                if engine.owner[index] is dropped[0] and start > 0:
+                    dropped[0].cancel()
+            return _call(*args)
+        setattr(engine, name, logged)
+    prompts = [PROMPTS[1], prompt_of(150), prompt_of(130)[::-1], prompt_of(65)]
+    limits = [60, 20, 9, 12]
+    try:
+        short = engine.submit(EngineRequest(prompts[0], limits[0]))
+        engine.start()
+        first = short.get(timeout=TIMEOUT)  # decoding when the long ones come
+        dropped.append(engine.submit(EngineRequest(prompt_of(200), 5)))
+        handles = [engine.submit(EngineRequest(p, m)) for p, m in zip(prompts[1:], limits[1:])]
+        tokens, finish = collect(short)
+        results = [(first.token_ids + tokens, finish)] + [collect(h) for h in handles]
+        tokens, finish = collect(dropped[0])  # only the hook cancels it, once a piece of it is in
+        assert tokens == [] and finish.reason == "cancelled"
+        again = engine.submit(EngineRequest(prompt_of(140), 6))  # the slot it freed takes another long prompt
+        results.append(collect(again))
+    finally:
+        engine.shutdown()
+    expected = offline(target, heads[method], method, prompts + [prompt_of(140)], limits + [6])
+    assert [tokens for tokens, _ in results] == expected
+    assert [finish.prompt_tokens for _, finish in results[1:]] == [150, 130, 65, 140]
+    pieces = [held for name, held, _ in calls if name == "_admit_piece"]
+    assert engine.metrics()["prefill_pieces_total"] >= len(pieces) - 1 >= 3 + 2 + 1 + 2 - 1
+    between = [i for i, (name, held, decoding) in enumerate(calls)
+               if name == "_launch_chunk" and held and decoding and i > 0 and calls[i - 1][0] == "_admit_piece"]
+    assert between, "no chunk ran for a decoding slot while a prompt was still coming in pieces"
+    assert engine.metrics()["live_slots"] == 0 and not engine.prefilling
+
+
 def test_tree_causal_requests_on_the_kernel_draft_path_equal_ar(target, heads):
     """jetspec-tc with both head passes on the (interpreted) tree kernel: the engine keeps head-context rows
     for the second pass, and each greedy request's output is AR's."""
@@ -293,7 +339,8 @@ def test_overlap_chunks_loop_a_known_number_of_steps(target, heads, method):
 def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path):
     """Chunks run 1, 2, 4, ... rows up to the slots (at least min_batch), at each budget `auto` may pick;
     an admission of one prompt pads it to a multiple of 64, of a group of 2, 4 or 8 (max_admit) to 64
-    times a power of two, up to the longest prompt a request may have."""
+    times a power of two, up to the longest prompt a request may have or prefill_chunk; a longer prompt
+    comes in pieces: the first, the middle ones, and the last's buckets."""
     table = cost_table(tmp_path, AUTO_TABLE)
 
     def programs(**kw):
@@ -303,22 +350,29 @@ def test_programs_are_every_bucket_batch_size_and_budget(target, heads, tmp_path
         longest = engine.max_context - 1  # prompt + one new token fit
         assert admits == [(w, 1) for w in range(64, longest + 63, 64)] + [
             (w, g) for g in (2, 4, 8) for w in (64, 128, 256, 512) if w < 2 * longest]
+        assert not [p for p in engine.programs() if p[0] == "piece"]  # no prompt passes prefill_chunk (512)
         return chunks, engine.max_context
 
     chunks, context = programs(budget="auto", cost_table=table)
     assert chunks == [(b, r) for b in (PLAIN, 4, 8) for r in (1, 2, 4, 8, 16, 32)] and 448 < context < 512
     assert programs(budget=8, slots=12, min_batch=4)[0] == [(8, 4), (8, 8), (8, 12)]
     assert programs(budget=16, min_batch=32)[0] == [(16, 32)]
+    engine = Engine(target, heads["jetspec"], method="jetspec", slots=4, max_len=512, width=3, prefill_chunk=128)
+    assert [p[1:] for p in engine.programs() if p[0] == "admit"] == [(64, 1), (128, 1), (64, 2), (128, 2), (64, 4),
+                                                                      (128, 4)]
+    assert [p[1:] for p in engine.programs() if p[0] == "piece"] == [(128, False, False), (128, True, False),
+                                                                      (64, True, True), (128, True, True)]
 
 
-@pytest.mark.parametrize("method, slots", [("jetspec", 3), ("ar", 5)])
-def test_full_warm_up_leaves_nothing_to_compile(target, heads, tmp_path, method, slots):
-    """After the full warm-up, requests of every prompt bucket (the longest prompt accepted included), every
-    batch size a chunk runs (1, 2, 3 of 3 slots; 1, 2, 4, 5 of 5), each budget `auto` may pick (plain
-    included), greedy and sampled, and a cancellation compile nothing: not one program, not one eager
-    operation."""
+@pytest.mark.parametrize("method, slots, prefill_chunk", [("jetspec", 3, 64), ("ar", 5, 512)])
+def test_full_warm_up_leaves_nothing_to_compile(target, heads, tmp_path, method, slots, prefill_chunk):
+    """After the full warm-up, requests of every prompt bucket (the longest prompt accepted included, in
+    pieces with a prefill_chunk of 64), every batch size a chunk runs (1, 2, 3 of 3 slots; 1, 2, 4, 5 of
+    5), each budget `auto` may pick (plain included), greedy and sampled, and a cancellation compile
+    nothing: not one program, not one eager operation."""
     engine = Engine(target, heads[method], method=method, slots=slots, max_len=192, budget="auto", width=3,
-                    chunk_steps=2, max_queue=32, cost_table=cost_table(tmp_path, AUTO_TABLE), stop_token_ids=())
+                    chunk_steps=2, max_queue=32, cost_table=cost_table(tmp_path, AUTO_TABLE), stop_token_ids=(),
+                    prefill_chunk=prefill_chunk)
     budgets = (PLAIN, 4, 8) if method == "jetspec" else (None,)
     if engine.policy is not None:  # alternate the budgets, so that each runs at each batch size
         choices = iter(budgets * 1000)

@@ -626,10 +626,12 @@ def test_same_seed_same_sample(tiny_server, seed):
 def test_cli_bad_settings_are_one_error_line(capsys):
     from jetspec_jax.serve.__main__ import main
 
-    assert main(["--slots", "0", "--port", "70000", "--max-body-bytes", "0", "--header-timeout", "0"]) == 2
+    assert main(["--slots", "0", "--port", "70000", "--max-body-bytes", "0", "--header-timeout", "0",
+                 "--prefill-chunk", "100"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1
-    assert all(flag in err for flag in ("--slots", "--port", "--max-body-bytes", "--header-timeout")), err
+    assert all(flag in err for flag in ("--slots", "--port", "--max-body-bytes", "--header-timeout",
+                                        "--prefill-chunk must be a multiple of 64")), err
 
 
 def test_cli_api_key_from_the_flag_or_the_environment(monkeypatch):

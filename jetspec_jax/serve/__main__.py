@@ -73,6 +73,9 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--chunk-steps", type=int, default=8, help="decode steps per device call between admissions")
     p.add_argument("--max-admit", type=int, default=8, help="queued prompts prefilled together in one device call")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="a prompt longer than this many tokens (a multiple of 64) is prefilled that many at a time "
+                        "between decode chunks, so running requests never wait for a whole long prompt")
     p.add_argument("--min-batch", type=int, default=1,
                    help="fewest slot rows a chunk runs (chunks run 1, 2, 4, ... rows, one compilation each); "
                         "--min-batch equal to --slots compiles once")
@@ -99,9 +102,11 @@ def build_parser() -> OneLineErrorParser:
 
 def check_cli_settings(args) -> None:
     problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-                for name in ("slots", "max_queue", "max_len", "width", "chunk_steps", "max_admit", "min_batch",
-                             "default_max_tokens", "max_body_bytes", "max_connections")
+                for name in ("slots", "max_queue", "max_len", "width", "chunk_steps", "max_admit", "prefill_chunk",
+                             "min_batch", "default_max_tokens", "max_body_bytes", "max_connections")
                 if getattr(args, name) < 1]
+    if args.prefill_chunk >= 1 and args.prefill_chunk % 64:
+        problems.append(f"--prefill-chunk must be a multiple of 64 (the prompt bucket), got {args.prefill_chunk}")
     if not 0 <= args.port <= 65535:
         problems.append(f"--port must be in 0..65535, got {args.port}")
     if not args.shutdown_timeout >= 0:
@@ -204,7 +209,8 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
             engine = Engine(target, head, method=method, slots=args.slots, max_len=args.max_len,
                             budget=args.budget, width=args.width, chunk_steps=args.chunk_steps,
                             max_queue=args.max_queue, cost_table=args.cost_table, min_batch=args.min_batch,
-                            gemm_backend=args.gemm_backend, max_admit=args.max_admit)
+                            gemm_backend=args.gemm_backend, max_admit=args.max_admit,
+                            prefill_chunk=args.prefill_chunk)
             engine.start(warm_up=args.warmup == "full")
             if args.warmup == "full":
                 print(f"warm-up: compiling every program: {engine.warm_up.describe()}", file=sys.stderr)

@@ -121,18 +121,21 @@ class Engine:
                  cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
                  attention: str = "auto", min_batch: int = 1, max_depth: int | None = None,
                  tree_temperature: float = 1.0, draft_attention: str = "auto", gemm_backend: str = "auto",
-                 max_admit: int = 8, overlap: bool = False):
+                 max_admit: int = 8, overlap: bool = False, prefill_chunk: int = 512):
         """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
         ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
         per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py);
         `max_depth` and `tree_temperature` are SpecConfig's, `draft_attention` HeadDrafter's; `gemm_backend`
         is a speculative.GEMM_BACKENDS name or "auto" (device.chunk_gemm_backend: per chunk size).
-        Up to `max_admit` queued prompts are prefilled in one call. With `overlap` the device thread
-        launches the next chunk before it reads the last one's tokens, and chunks run all their steps
-        (slots.py's `fixed`): a loop whose exit depends on the slots reads its predicate back to the host
-        every step on a GPU, so its launch would return only once it had run, while a loop of known trip
-        count returns at once and the host's work between chunks overlaps the device's. A slot that
-        ends then idles to the end of its chunk and the one launched behind it.
+        Up to `max_admit` queued prompts are prefilled in one call. A prompt longer than `prefill_chunk`
+        tokens (a multiple of PROMPT_BUCKET) is prefilled a piece of that many tokens between chunks, so
+        the slots decoding meanwhile wait for one piece at a time, never for the whole prompt.
+        With `overlap` the device thread launches the next chunk before it reads the last one's tokens,
+        and chunks run all their steps (slots.py's `fixed`): a loop whose exit depends on the slots reads
+        its predicate back to the host every step on a GPU, so its launch would return only once it had
+        run, while a loop of known trip count returns at once and the host's work between chunks
+        overlaps the device's. A slot that ends then idles to the end of its chunk and the one launched
+        behind it.
         The engine decodes with the target's weights in the decode layout (qwen3.fuse_for_decode): a copy,
         unless they are fused already (the server fuses them before it builds the engine)."""
         if method != "ar" and method not in METHODS:
@@ -146,6 +149,10 @@ class Engine:
                             ("max_admit", max_admit)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1 or prefill_chunk % PROMPT_BUCKET:
+            raise ValueError(f"prefill_chunk must be a positive multiple of {PROMPT_BUCKET} tokens, got "
+                             f"{prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         self.target, self.method, self.num_slots, self.chunk_steps = target, method, slots, chunk_steps
         self.max_queue, self.attention, self.min_batch = max_queue, attention, min_batch
         self.max_admit, self.overlap = min(max_admit, slots), overlap
@@ -173,6 +180,7 @@ class Engine:
         self.max_context = min(rows - scratch, target.cfg.max_position_embeddings)
         self.slots = device.new_slots(target.cfg, self.drafter, self.head_params, slots, rows, dtype)
         self.owner: list[RequestHandle | None] = [None] * slots
+        self.prefilling: dict[int, int] = {}  # slot -> prompt tokens in its cache, for a prompt that comes in pieces
         self.pending: collections.deque[RequestHandle] = collections.deque()
         self.lock = threading.Condition()
         self.closing, self.drain, self.deadline = False, True, math.inf
@@ -214,20 +222,32 @@ class Engine:
         """Every program a run can need, chunks first (they compile longest): ("chunk", budget, rows) for
         each budget the policy may pick (None for AR, PLAIN for auto's plain decoding) and each batch size
         chunk_rows can give, and ("admit", width, rows) for each group size and prompt bucket up to the
-        longest prompt check_request accepts."""
+        longest prompt admitted whole, and ("piece", width, resume, final) for prompts that come in pieces
+        (admit's `resume` and `final`: the first piece, the middle ones, and the last's buckets)."""
         budgets = self.policy.budgets if self.policy else (None,)
         rows = sorted({self.chunk_rows(top) for top in range(1, self.num_slots + 1)})
         groups = sorted({self.admission_rows(n) for n in range(1, self.max_admit + 1)})
-        admits = [("admit", w, g) for g in groups  # prompt + >= 1 new token
-                  for w in sorted({self.prompt_width(n, g) for n in range(1, self.max_context)})]
-        return [("chunk", b, r) for b in budgets for r in rows] + admits
+        longest = min(self.max_context - 1, self.prefill_chunk)  # prompt + >= 1 new token
+        admits = [("admit", w, g) for g in groups
+                  for w in sorted({self.prompt_width(n, g) for n in range(1, longest + 1)})]
+        pieces = []
+        if self.max_context - 1 > self.prefill_chunk:
+            pieces = [("piece", self.prefill_chunk, False, False), ("piece", self.prefill_chunk, True, False)]
+            pieces += [("piece", w, True, True) for w in sorted({self.prompt_width(n) for n in range(1, longest + 1)})]
+        return [("chunk", b, r) for b in budgets for r in rows] + admits + pieces
 
     def _admit_call(self, requests: list[tuple[int, list[int], SamplingConfig, int, int]],
-                    width: int | None = None, rows: int | None = None) -> tuple[tuple, dict]:
+                    width: int | None = None, rows: int | None = None, start: int = 0,
+                    final: bool = True) -> tuple[tuple, dict]:
         """device.admit's arguments for a group of (slot, prompt ids, sampling, max_new_tokens, seed),
-        padded to its row and prompt buckets (or to `rows` x `width`)."""
+        padded to its row and prompt buckets (or to `rows` x `width`); from `start` > 0 (one request) the
+        prompt's piece from that token on, appended to what its slot holds."""
         rows = rows or self.admission_rows(len(requests))
+        if start:
+            requests = [(index, ids[start:], *rest) for index, ids, *rest in requests]
         width = width or self.prompt_width(max(len(r[1]) for r in requests), rows)
+        if not final:
+            requests = [(index, ids[:width], *rest) for index, ids, *rest in requests]
         prompts = np.full((rows, width), self.pad_token_id, np.int32)
         lengths, limits = np.ones(rows, np.int32), np.ones(rows, np.int32)
         indices = np.full(rows, self.num_slots, np.int32)  # past the slots: a padding row writes nothing
@@ -237,8 +257,9 @@ class Engine:
             prompts[r, : len(ids)], lengths[r], limits[r] = ids, len(ids), max_new_tokens
             indices[r], seeds[r], configs[r] = index, seed_words([seed])[0], sampling  # all 64 bits
         args = (self.params, self.head_params, self.slots, indices, prompts, lengths, seeds,
-                RowSampling.of(configs), limits)
-        return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids)
+                RowSampling.of(configs), limits, np.full(rows, start, np.int32))
+        return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids,
+                          resume=start > 0, final=final)
 
     def _chunk_call(self, budget: int | None, rows: int, return_early: bool = False):
         """(the chunk program, its arguments) for a chunk of `rows` slot rows at `budget` (None or PLAIN:
@@ -255,11 +276,15 @@ class Engine:
         admitted into the first slots with max_tokens 1 (they end at admission), or a chunk in which no
         slot is live (its loop runs no step, or with `overlap` steps whose writes no request reads). Only
         while every slot is free."""
+        greedy = SamplingParams().config()
         if program[0] == "admit":
             _, width, rows = program
-            greedy = SamplingParams().config()
             group = [(i, [self.pad_token_id], greedy, 1, 0) for i in range(min(rows, self.num_slots))]
             return (device.admit, *self._admit_call(group, width, rows))
+        if program[0] == "piece":
+            _, width, resume, final = program
+            prompt = [self.pad_token_id] * (int(resume) + 1)
+            return (device.admit, *self._admit_call([(0, prompt, greedy, 1, 0)], width, 1, int(resume), final))
         return self._chunk_call(*program[1:])
 
     def lower_program(self, program: tuple) -> jax.stages.Lowered:
@@ -272,7 +297,7 @@ class Engine:
         """Runs `program` once with no request in it (the device thread, every slot free: warm-up)."""
         fn, args, kwargs = self._warm_up_call(program)
         self.slots = fn(*args, **kwargs)[0]
-        if program[0] == "admit":  # and the cancellation's update, once
+        if program[0] != "chunk":  # and the cancellation's update, once
             self.slots = device.release(self.slots, 0)
         jax.block_until_ready(self.slots)
         self.compiled.add(program)
@@ -378,11 +403,11 @@ class Engine:
                     self._read_admissions(admissions)
                     if admissions:
                         self.stats.add_admission_seconds(time.perf_counter() - t0)
-                    if any(o is not None for o in self.owner):
+                    if self._decoding():
                         self._read(self._launch_chunk())
                     continue
                 previous = launched
-                launched = self._launch_chunk() if any(o is not None for o in self.owner) else None
+                launched = self._launch_chunk() if self._decoding() else None
                 if previous is not None:
                     self._read(previous)
                 self._read_admissions(admissions)  # queued after `previous`, so ready soon after it
@@ -399,6 +424,7 @@ class Engine:
             self._finish(handle, reason, message)
         self.pending.clear()
         self.owner = [None] * self.num_slots
+        self.prefilling.clear()
 
     def _finish(self, handle: RequestHandle, reason: str, message: str | None = None) -> None:
         if handle.finish(reason, message):
@@ -433,6 +459,7 @@ class Engine:
         handle = self.owner[index]
         with self.lock:
             self.owner[index] = None
+        self.prefilling.pop(index, None)
         self._finish(handle, reason, message)
 
     def _owns(self, index: int, handle: RequestHandle) -> bool:
@@ -440,21 +467,63 @@ class Engine:
         perhaps given to another request) are dropped."""
         return self.owner[index] is handle and not handle.finished
 
+    def _decoding(self) -> list[int]:
+        """The slots whose requests decode: held, and not still taking their prompt in pieces."""
+        return [i for i, o in enumerate(self.owner) if o is not None and i not in self.prefilling]
+
     def _admit_pending(self) -> list[Admission]:
-        """Launches admissions for queued requests while slots are free, up to max_admit a call; the loop
-        reads their first tokens (_read_admissions)."""
+        """Launches admissions for queued requests while slots are free, up to max_admit a call, and the
+        next piece of the longest-waiting prompt that comes in pieces; the loop reads their first tokens
+        (_read_admissions)."""
         admissions = []
         while True:
             with self.lock:
                 free = [i for i, o in enumerate(self.owner) if o is None]
-                group = [self.pending.popleft() for _ in range(min(len(free), len(self.pending), self.max_admit))]
-                for index, handle in zip(free, group):
-                    self.owner[index] = handle
-            if not group:
-                return admissions
-            admission = self._admit(free[: len(group)], group)
+                group, taken = [], 0
+                while taken < len(free) and self.pending and len(group) < self.max_admit:
+                    handle, index = self.pending.popleft(), free[taken]
+                    self.owner[index], taken = handle, taken + 1
+                    if len(handle.request.prompt_ids) > self.prefill_chunk:
+                        self.prefilling[index] = 0
+                    else:
+                        group.append((index, handle))
+            if not taken:
+                break
+            admission = self._admit([g[0] for g in group], [g[1] for g in group]) if group else None
             if admission is not None:
                 admissions.append(admission)
+        admission = self._admit_piece() if self.prefilling else None
+        return admissions + ([admission] if admission is not None else [])
+
+    def _admit_piece(self) -> Admission | None:
+        """Prefills the next piece of the first prompt in self.prefilling; its last piece admits it."""
+        index, start = next(iter(self.prefilling.items()))
+        handle = self.owner[index]
+        try:
+            request = self._admission_row(index, handle.request)
+        except Exception as e:
+            log.exception("request %r cannot be admitted", handle.request.request_id)
+            self._free(index, "error", f"the request cannot be admitted: {e}")
+            return None
+        final = len(request[1]) - start <= self.prefill_chunk
+        width = None if final else self.prefill_chunk
+        args, kwargs = self._admit_call([request], width, 1, start, final)
+        program = ("piece", args[4].shape[1], start > 0, final)
+        t0 = time.perf_counter()
+        self.slots, first, finished = device.admit(*args, **kwargs)
+        if program not in self.compiled:
+            self.stats.add_compile(time.perf_counter() - t0)
+            self.compiled.add(program)
+        self.stats.add_prefill_piece()
+        if not final:
+            self.prefilling[index] = start + self.prefill_chunk
+            if not self.overlap:  # its device time is admission's, not the next chunk's (the policy reads those)
+                jax.block_until_ready(self.slots.cache.lengths)
+                self.stats.add_admission_seconds(time.perf_counter() - t0)
+            return None
+        del self.prefilling[index]
+        self.stats.add_admission([len(request[1])])
+        return Admission([index], [handle], first, finished)
 
     def _admission_row(self, index: int, request: EngineRequest) -> tuple:
         self.check(request)
@@ -501,7 +570,7 @@ class Engine:
                     self._free(index, self._reason(handle, int(first[row])))
 
     def _launch_chunk(self) -> LaunchedChunk:
-        live_slots = [i for i, o in enumerate(self.owner) if o is not None]
+        live_slots = self._decoding()
         live = len(live_slots)
         active = self.chunk_rows(live_slots[-1] + 1)
         budget = self.policy.choose(live, active) if self.policy else None
@@ -515,7 +584,8 @@ class Engine:
         if compiled:
             self.stats.add_compile(time.perf_counter() - launched)
             self.compiled.add(key)
-        return LaunchedChunk(out, list(self.owner), budget, live, active, launched, compiled)
+        owners = [None if i in self.prefilling else o for i, o in enumerate(self.owner)]
+        return LaunchedChunk(out, owners, budget, live, active, launched, compiled)
 
     def _read(self, chunk: LaunchedChunk) -> None:
         """Waits for a launched chunk and hands out its tokens. Its seconds run from its launch call (with
@@ -572,6 +642,7 @@ class EngineStats:
         self.requests_total = self.requests_finished = 0  # finished: ended for any reason, cancelled included
         self.tokens_total = self.prompt_tokens_total = 0
         self.admissions = self.admitted = 0  # admission calls, and the requests they prefilled
+        self.prefill_pieces = 0  # device calls that prefilled a piece of a long prompt
         self.admission_seconds = 0.0  # from launching admissions to reading their first tokens (without overlap)
         self.compile_seconds = 0.0  # launch calls of admissions and chunks that compiled their program
         self.warm_up_seconds = 0.0  # the warm-up before serving: the full one (warmup.py) or a first request
@@ -595,6 +666,10 @@ class EngineStats:
             self.prompt_tokens_total += sum(prompt_tokens)
             self.admissions += 1
             self.admitted += len(prompt_tokens)
+
+    def add_prefill_piece(self) -> None:
+        with self.lock:
+            self.prefill_pieces += 1
 
     def add_admission_seconds(self, seconds: float) -> None:
         with self.lock:
@@ -629,5 +704,5 @@ class EngineStats:
                     "tau": (forwards + accepted) / forwards if forwards else 0.0,
                     "budget": self.budget, "requests_total": self.requests_total,
                     "requests_finished": self.requests_finished, "generated_tokens_total": self.tokens_total,
-                    "prompt_tokens_total": self.prompt_tokens_total,
+                    "prompt_tokens_total": self.prompt_tokens_total, "prefill_pieces_total": self.prefill_pieces,
                     "compile_seconds_total": self.compile_seconds, "warm_up_seconds": self.warm_up_seconds}

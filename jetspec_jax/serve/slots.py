@@ -1,7 +1,8 @@
 """Device side of the server: a fixed set of sequence slots sharing one target cache and one head
-context, a jitted admission (prefill a group of prompts into free slots' rows) and a jitted chunk of
-steps for every live slot, which returns after `steps` steps, or as soon as a slot finishes when the
-host has requests waiting for one (a `fixed` chunk always runs `steps`)."""
+context, a jitted admission (prefill a group of prompts, or a long prompt piece by piece, into free
+slots' rows) and a jitted chunk of steps for every live slot, which returns after `steps` steps, or as
+soon as a slot finishes when the host has requests waiting for one (a `fixed` chunk always runs
+`steps`)."""
 
 from __future__ import annotations
 
@@ -63,31 +64,52 @@ def _set_rows(tree, indices, rows_tree):
     return jax.tree.map(lambda a, r: a.at[indices].set(r.astype(a.dtype), mode="drop"), tree, rows_tree)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids"), donate_argnames=("slots",))
+def _take_rows(tree, indices):
+    """Rows `indices` (R,) of tree's leaves (S, ...); a padding row's index past the slots reads the last."""
+    return jax.tree.map(lambda a: jnp.take(a, indices, axis=0, mode="clip"), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids", "resume", "final"),
+                   donate_argnames=("slots",))
 def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax.Array, prompt_lens: jax.Array,
-          seeds: jax.Array, sampling: RowSampling, limits: jax.Array, *, cfg: qwen3.Config, drafter,
-          eos_token_ids: tuple[int, ...]):
+          seeds: jax.Array, sampling: RowSampling, limits: jax.Array, starts: jax.Array | None = None, *,
+          cfg: qwen3.Config, drafter, eos_token_ids: tuple[int, ...], resume: bool = False, final: bool = True):
     """Prefills right-padded prompts (R, P) into slots `indices` (R,) and picks their first tokens; a row
     whose index is past the slots pads the batch and changes nothing. `seeds` (R, 2) uint32 are each
     request's 64-bit seed (sampling.seed_words), its key as sampling.request_keys makes it. Returns
-    (slots, first tokens (R,), finished (R,)), finished meaning the request already ended."""
+    (slots, first tokens (R,), finished (R,)), finished meaning the request already ended.
+    A long prompt comes in pieces (chunked prefill): `resume` appends the rows' tokens to what their
+    slots hold, `starts` (R,) tokens, instead of starting afresh; a piece that is not `final` only fills
+    the cache and the head's context (the slot stays idle, first and finished are zeros)."""
     params = qwen3.fuse_for_decode(params)
-    rows = prompts.shape[0]
+    rows, width = prompts.shape
     taps_wanted = () if drafter is None else tuple(drafter.tap_layers)
-    logits, taps, cache = prefill(params, prompts, prompt_lens, cfg, slots.cache.max_len, tap_layers=taps_wanted)
+    if resume:
+        cache = _take_rows(slots.cache, indices)._replace(lengths=starts)
+        positions = starts[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+        logits, taps, cache = qwen3.forward(params, prompts, positions, cache, cfg, tap_layers=taps_wanted,
+                                            logits_indices=(prompt_lens - 1)[:, None])
+        logits, cache = logits[:, 0], cache._replace(lengths=starts + prompt_lens)
+        state = None if drafter is None else _take_rows(slots.draft, indices)
+    else:
+        logits, taps, cache = prefill(params, prompts, prompt_lens, cfg, slots.cache.max_len, tap_layers=taps_wanted)
+        state = None if drafter is None else drafter.init_state(drafter_params, rows, slots.cache.max_len,
+                                                                  params["embed"].dtype)
     draft = slots.draft
     if drafter is not None:
-        state = drafter.init_state(drafter_params, rows, slots.cache.max_len, params["embed"].dtype)
         if taps_wanted:
             state = drafter.observe(drafter_params, state, taps, prompt_lens)
         draft = _set_rows(draft, indices, state)
+    slots = slots._replace(cache=_set_rows(slots.cache, indices, cache), draft=draft)
+    zeros = jnp.zeros((rows,), jnp.int32)
+    if not final:
+        return slots, zeros, zeros.astype(bool)
     keys = keys_of_seed_words(seeds)
-    first = select_tokens(logits, keys, sampling, jnp.zeros((rows,), jnp.int32))
+    first = select_tokens(logits, keys, sampling, zeros)
     finished = is_stop_token(first, eos_token_ids) | (limits <= 1)
-    ones, zeros = jnp.ones((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32)
-    new = dict(anchor=first, num=ones, limit=limits, live=~finished, keys=keys, forwards=zeros)
-    slots = slots._replace(cache=_set_rows(slots.cache, indices, cache), draft=draft,
-                           sampling=_set_rows(slots.sampling, indices, sampling),
+    new = dict(anchor=first, num=jnp.ones((rows,), jnp.int32), limit=limits, live=~finished, keys=keys,
+               forwards=zeros)
+    slots = slots._replace(sampling=_set_rows(slots.sampling, indices, sampling),
                            **_set_rows({name: getattr(slots, name) for name in new}, indices, new))
     return slots, first, finished
 

@@ -74,7 +74,8 @@ class WarmUp:
         budgets = list(dict.fromkeys(p[1] for p in chunks))
         label = "AR" if budgets == [None] else "budgets " + ", ".join(map(str, budgets))
         return (f"{len(chunks)} chunks ({label} x {len(chunks) // len(budgets)} batch sizes) and "
-                f"{self.total - len(chunks)} admissions (prompt bucket x group size), {self.workers} at once")
+                f"{self.total - len(chunks)} admissions (prompt bucket x group size, and long prompts' pieces), "
+                f"{self.workers} at once")
 
     def wait(self, check: Callable[[], None] = lambda: None, poll: float = 0.2,
              progress_bar: bool = False) -> float:
