@@ -124,7 +124,7 @@ async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
     body = dict(model="target", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                 temperature=0, stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, last, stall = None, 0, None, 0.0
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:  # the server's OpenAI error object says why
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()}")
@@ -134,11 +134,13 @@ async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif first is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
-                first = time.perf_counter() - t0
+            elif any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                now = time.perf_counter() - t0
+                first = now if first is None else first
+                stall, last = max(stall, now - last) if last is not None else 0.0, now
     total = time.perf_counter() - t0
     decode = total - (first or 0.0)
-    return dict(ttft=first if first is not None else total, seconds=total, tokens=tokens,
+    return dict(ttft=first if first is not None else total, seconds=total, tokens=tokens, stall=stall,
                 tokens_per_second=(tokens - 1) / decode if tokens > 1 and decode > 0 else 0.0)
 
 
@@ -164,18 +166,32 @@ def run_level(url: str, prompts, concurrency: int, requests: int, max_tokens: in
     return asyncio.run(closed_loop(url, prompts, concurrency, requests, max_tokens))
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile, linearly interpolated between the sorted values (numpy's default)."""
+    values = sorted(values)
+    at = (len(values) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (at - low)
+
+
 def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWatch, chunks: list[dict],
               admissions: tuple[int, int, float], overlap: bool) -> dict:
     """One level's row. From the engine's side: the chunks it ran in the window, their mean steps and ms a
     step, the requests live in them on average (weighted by chunk time: below the concurrency while
     the level fills and drains), the shares of the wall time in chunks and in admissions (the rest: the
     host between them, or no work; with overlap admissions count in the chunk after them), and the
-    requests an admission call prefilled on average."""
+    requests an admission call prefilled on average. From the clients' side: time to the first token,
+    and each request's stall, the longest pause between two of its streamed chunks (a long prompt's
+    prefill stalls the requests decoding beside it), at the median and the 99th percentile."""
     tokens = sum(r["tokens"] for r in results)
     steps = sum(c["steps"] for c in chunks)
     chunk_s = sum(c["seconds"] for c in chunks)
     return dict(variant=variant, concurrency=concurrency, requests=len(results), completion_tokens=tokens,
                 throughput=tokens / wall, ttft_median_s=statistics.median(r["ttft"] for r in results),
+                ttft_p99_s=percentile([r["ttft"] for r in results], 99),
+                stall_median_s=statistics.median(r["stall"] for r in results),
+                stall_p99_s=percentile([r["stall"] for r in results], 99),
                 request_tokens_per_second=statistics.median(r["tokens_per_second"] for r in results),
                 tau=metrics.get("tau"), last_budget=metrics.get("budget"),
                 budgets_used=dict(collections.Counter(str(c["budget"]) for c in chunks)),
@@ -204,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=7)
     p.add_argument("--chunk-steps", type=int, default=8)
     p.add_argument("--max-admit", type=int, default=8, help="prompts prefilled in one admission call")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="longer prompts are prefilled this many tokens a call")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="longer prompts are prefilled this many a call")
     p.add_argument("--cost-table", default=None, help="for 'auto' (default: the shipped table, else online)")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     p.add_argument("--out", default=None)
@@ -230,7 +246,8 @@ def main(argv=None) -> int:
             add_ratios_to_ar(rows)
             if args.out:  # after each variant: a run cut short keeps the variants it finished
                 write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
-    columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s",
+    columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s", "ttft_p99_s",
+               "stall_p99_s",
                "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "mean_live",
                "chunk_share", "prefill_share", "requests_per_admission", "compile_s", "warning"]
     print_table(rows, columns)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from test_serve_http import char_tokenizer
 
@@ -77,10 +78,18 @@ def test_serve_load_times_no_compilation(tmp_path):
         assert len(log) == row["chunks"] and all(str(c[0]) == str(log[0][0]) and 0 <= c[3] <= steps for c in log)
         assert sum(c[3] for c in log) == pytest.approx(row["steps_per_chunk"] * row["chunks"])
         assert row["policy_estimates"] is None  # a fixed budget has no estimates
+        assert 0 < row["ttft_median_s"] <= row["ttft_p99_s"] and 0 <= row["stall_median_s"] <= row["stall_p99_s"]
     # chunks of 1 and 2 rows, and admissions of 1 and of 2 prompts in buckets of 64, 128 and 192 columns
     assert {v: w["programs"] for v, w in result["warm_up"].items()} == {"ar": 8, "8": 8, VARIED: 8}
     assert all(w["seconds"] > 0 for w in result["warm_up"].values())
     assert "COMPILED IN TIMED WINDOW" not in done.stdout
+
+
+def test_percentiles_interpolate_as_numpy_does():
+    percentile, values = serve_load_module().percentile, [0.3, 0.1, 2.0, 0.7, 0.2]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([0.4], 99) == 0.4
 
 
 def test_variants_name_a_budget_and_the_engine_settings_to_change():
