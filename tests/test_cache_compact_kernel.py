@@ -3,6 +3,8 @@ speculative generation, and its CUDA lowering."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +35,8 @@ def test_kernel_equals_reference(shape, lengths, path, dtype):
 
 def test_sources_are_read_before_targets_are_written():
     """Row 2 is both a source (of row 1) and a target (of row 3): an in-place copy that wrote row 2
-    first would move the wrong values into row 1."""
+    first would move the wrong values into row 1. (On the GPU that order across warps is the barrier's,
+    which the lowering test checks.)"""
     buffer = jnp.arange(8, dtype=jnp.float32).reshape(1, 8, 1, 1) * jnp.ones((1, 1, 1, 4))
     (got,) = compact_rows((buffer,), jnp.asarray([0], jnp.int32), jnp.asarray([[0, 2, 3]], jnp.int32),
                           implementation="pallas_interpret")
@@ -66,3 +69,22 @@ def test_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
         lowering_platforms=("cuda",)))
     for module in modules:
         assert module.operation.verify()
+        assert stores_after_a_barrier(str(module))
+
+
+def stores_after_a_barrier(module_text: str) -> bool:
+    """Whether every store of the moved rows comes after a block-wide barrier that follows their gather:
+    the rows are spread over the warps, and in place a warp that stored before another had read would
+    hand it a row already overwritten (interpret mode, which loads the whole tile before storing, cannot
+    show that)."""
+    stores, state = 0, "idle"
+    for line in module_text.splitlines():
+        if re.search(r"tt\.load .*tensor<\d+x\d+x!tt\.ptr", line):  # the (rows, width) gather
+            state = "gathered" if state == "idle" else state
+        elif "gpu.barrier" in line and state == "gathered":
+            state = "fenced"
+        elif "tt.store" in line:
+            if state != "fenced":
+                return False
+            stores, state = stores + 1, "idle"
+    return stores > 0

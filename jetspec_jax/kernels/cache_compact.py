@@ -3,14 +3,10 @@
 Every step moves the accepted path's keys and values (tree slots lengths + path) to the contiguous
 slots lengths .. of every layer's K and V buffer. XLA does that as a gather and an in-place update per
 buffer: 120 small kernels a step for the embedded model's 30 layers. Here one launch does all buffers
-in place (input/output aliasing), one program per (sequence, buffer), each reading its rows before
-writing any (a source row can be another row's destination). Same result as the reference, row for
-row. On the H200 the accept-and-commit stage went from 0.106 to 0.056 ms at B=16
-(benchmarks/results/spec_step_breakdown_compaction_h200.json).
-
-Checked with jax 0.10.2 on the CPU (interpret=True against the reference; the CUDA-lowered Triton
-module passes MLIR's verifier); run with jax 0.11.2 on an H200 in that breakdown and the a4cca3c
-eval (where acceptance stayed as before; not compared row for row there).
+in place (input/output aliasing), one program per (sequence, buffer), each reading all its rows before
+writing any, across its warps too (a block-wide barrier: a source row can be another row's
+destination). Same result as the reference, row for row. On the H200 the accept-and-commit stage went
+from 0.106 to 0.056 ms at B=16 (benchmarks/results/spec_step_breakdown_compaction_h200.json).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from jetspec_jax.kv_cache import gather_rows, write_block
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
-def _compact_kernel(lengths_ref, path_ref, *refs, num_rows: int, width: int):
+def _compact_kernel(lengths_ref, path_ref, *refs, num_rows: int, width: int, barrier: bool):
     """Program (b, j) moves rows lengths[b] + path[b, :] of buffer j to rows lengths[b] + 0.. ."""
     buffers = len(refs) // 2
     sources, targets = refs[:buffers], refs[buffers:]  # the same memory (aliased)
@@ -42,6 +38,11 @@ def _compact_kernel(lengths_ref, path_ref, *refs, num_rows: int, width: int):
         @pl.when(j == i)
         def _(i=i):
             moved = plgpu.load(sources[i].at[b, src[:, None], cols[None, :]], mask=mask, other=0)  # a gather
+            # every warp's reads before any warp's writes: the rows are spread over the warps, and a warp
+            # that stored first overwrote a source row another had still to read (a wrong KV row, on the
+            # GPU only: interpret mode, which has no barrier, runs the load whole before the store)
+            if barrier:
+                plgpu.debug_barrier()
             plgpu.store(targets[i].at[b, pl.ds(start, rows.shape[0]), pl.ds(0, cols.shape[0])], moved, mask=mask)
 
 
@@ -55,7 +56,7 @@ def compact_rows_pallas(buffers: tuple[jax.Array, ...], lengths: jax.Array, path
     width = flat[0].shape[-1]
     count = len(flat)
     moved = pl.pallas_call(
-        functools.partial(_compact_kernel, num_rows=path.shape[1], width=width),
+        functools.partial(_compact_kernel, num_rows=path.shape[1], width=width, barrier=not interpret),
         grid=(b, count),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat],
         input_output_aliases={2 + i: i for i in range(count)},
