@@ -116,7 +116,7 @@ def test_long_prompts_come_in_pieces_between_chunks(target, heads, method, overl
         def logged(*args, _name=name, _call=getattr(engine, name)):
             calls.append((_name, dict(engine.prefilling), engine._decoding()))
             if _name == "_admit_piece" and dropped:  # cancel `dropped` once one of its pieces is in
-                index, start = next(iter(engine.prefilling.items()))
+                index, (_, start) = next(iter(engine.prefilling.items()))
                 if engine.owner[index] is dropped[0] and start > 0:
                     dropped[0].cancel()
             return _call(*args)

@@ -180,7 +180,8 @@ class Engine:
         self.max_context = min(rows - scratch, target.cfg.max_position_embeddings)
         self.slots = device.new_slots(target.cfg, self.drafter, self.head_params, slots, rows, dtype)
         self.owner: list[RequestHandle | None] = [None] * slots
-        self.prefilling: dict[int, int] = {}  # slot -> prompt tokens in its cache, for a prompt that comes in pieces
+        # slot -> (its admission row, prompt tokens in its cache) for a prompt that comes in pieces
+        self.prefilling: dict[int, tuple[tuple, int]] = {}
         self.pending: collections.deque[RequestHandle] = collections.deque()
         self.lock = threading.Condition()
         self.closing, self.drain, self.deadline = False, True, math.inf
@@ -479,16 +480,17 @@ class Engine:
         while True:
             with self.lock:
                 free = [i for i, o in enumerate(self.owner) if o is None]
-                group, taken = [], 0
+                group, pieces, taken = [], [], 0
                 while taken < len(free) and self.pending and len(group) < self.max_admit:
                     handle, index = self.pending.popleft(), free[taken]
                     self.owner[index], taken = handle, taken + 1
-                    if len(handle.request.prompt_ids) > self.prefill_chunk:
-                        self.prefilling[index] = 0
-                    else:
-                        group.append((index, handle))
+                    (pieces if len(handle.request.prompt_ids) > self.prefill_chunk else group).append((index, handle))
             if not taken:
                 break
+            for index, handle in pieces:  # checked once, here; prefilled a piece a turn (_admit_piece)
+                row = self._admission_row_or_free(index, handle)
+                if row is not None:
+                    self.prefilling[index] = (row, 0)
             admission = self._admit([g[0] for g in group], [g[1] for g in group]) if group else None
             if admission is not None:
                 admissions.append(admission)
@@ -497,33 +499,22 @@ class Engine:
 
     def _admit_piece(self) -> Admission | None:
         """Prefills the next piece of the first prompt in self.prefilling; its last piece admits it."""
-        index, start = next(iter(self.prefilling.items()))
-        handle = self.owner[index]
-        try:
-            request = self._admission_row(index, handle.request)
-        except Exception as e:
-            log.exception("request %r cannot be admitted", handle.request.request_id)
-            self._free(index, "error", f"the request cannot be admitted: {e}")
-            return None
+        index, (request, start) = next(iter(self.prefilling.items()))
         final = len(request[1]) - start <= self.prefill_chunk
         width = None if final else self.prefill_chunk
         args, kwargs = self._admit_call([request], width, 1, start, final)
-        program = ("piece", args[4].shape[1], start > 0, final)
         t0 = time.perf_counter()
-        self.slots, first, finished = device.admit(*args, **kwargs)
-        if program not in self.compiled:
-            self.stats.add_compile(time.perf_counter() - t0)
-            self.compiled.add(program)
+        first, finished = self._launch_admission(("piece", args[4].shape[1], start > 0, final), args, kwargs)
         self.stats.add_prefill_piece()
         if not final:
-            self.prefilling[index] = start + self.prefill_chunk
+            self.prefilling[index] = (request, start + self.prefill_chunk)
             if not self.overlap:  # its device time is admission's, not the next chunk's (the policy reads those)
                 jax.block_until_ready(self.slots.cache.lengths)
                 self.stats.add_admission_seconds(time.perf_counter() - t0)
             return None
         del self.prefilling[index]
         self.stats.add_admission([len(request[1])])
-        return Admission([index], [handle], first, finished)
+        return Admission([index], [self.owner[index]], first, finished)
 
     def _admission_row(self, index: int, request: EngineRequest) -> tuple:
         self.check(request)
@@ -531,28 +522,34 @@ class Engine:
             np.random.bytes(8), "little")
         return index, request.prompt_ids, request.sampling.config(), request.max_new_tokens, seed
 
-    def _admit(self, indices: list[int], handles: list[RequestHandle]) -> Admission | None:
-        requests, admitted = [], []
-        for index, handle in zip(indices, handles):
-            try:
-                requests.append(self._admission_row(index, handle.request))
-                admitted.append(handle)
-            except Exception as e:  # one request the device cannot take (one that skipped submit) fails alone
-                log.exception("request %r cannot be admitted", handle.request.request_id)
-                self._free(index, "error", f"the request cannot be admitted: {e}")
-        if not requests:
+    def _admission_row_or_free(self, index: int, handle: RequestHandle) -> tuple | None:
+        """The request's admission row; None, its slot freed with an error, for one the device cannot take
+        (one that skipped submit): it fails alone."""
+        try:
+            return self._admission_row(index, handle.request)
+        except Exception as e:
+            log.exception("request %r cannot be admitted", handle.request.request_id)
+            self._free(index, "error", f"the request cannot be admitted: {e}")
             return None
-        indices, handles = [r[0] for r in requests], admitted
-        args, kwargs = self._admit_call(requests)
-        rows = args[4].shape
-        program = ("admit", rows[1], rows[0])
+
+    def _launch_admission(self, program: tuple, args: tuple, kwargs: dict) -> tuple[jax.Array, jax.Array]:
+        """Runs device.admit (the "admit" or "piece" `program`); returns its (first tokens, finished)."""
         t0 = time.perf_counter()
         self.slots, first, finished = device.admit(*args, **kwargs)
         if program not in self.compiled:  # jax compiles it inside the call, before launching it
             self.stats.add_compile(time.perf_counter() - t0)
             self.compiled.add(program)
+        return first, finished
+
+    def _admit(self, indices: list[int], handles: list[RequestHandle]) -> Admission | None:
+        rows = [(self._admission_row_or_free(index, handle), handle) for index, handle in zip(indices, handles)]
+        requests, handles = [r for r, _ in rows if r is not None], [h for r, h in rows if r is not None]
+        if not requests:
+            return None
+        args, kwargs = self._admit_call(requests)
+        first, finished = self._launch_admission(("admit", args[4].shape[1], args[4].shape[0]), args, kwargs)
         self.stats.add_admission([len(r[1]) for r in requests])
-        return Admission(indices, handles, first, finished)
+        return Admission([r[0] for r in requests], handles, first, finished)
 
     def _reason(self, handle: RequestHandle, last_token: int) -> str:
         return "stop" if last_token in self.eos_token_ids else "length"
