@@ -124,3 +124,27 @@ def test_a_bad_campaign_file_is_one_clear_error(tmp_path):
         CampaignSpec.read(str(tmp_path))
     with pytest.raises(InputError, match="no campaign.toml"):
         CampaignSpec.read(str(tmp_path / "nowhere"))
+
+
+def test_the_repository_root_is_found_through_a_linked_package_folder(tmp_path, monkeypatch):
+    """train/ reached through a link (a checkout that links jetspec_jax/train -> ../train) still names the
+    checkout as the root, so campaign.toml's heads and the default data folder resolve."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    from jetspec_jax.train import config
+
+    linked = tmp_path / "train"
+    linked.symlink_to(os.path.dirname(config.__file__))
+    spec = importlib.util.spec_from_file_location("linked_train", linked / "__init__.py",
+                                                  submodule_search_locations=[str(linked)])
+    package = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "linked_train", package)
+    spec.loader.exec_module(package)
+    linked_config = importlib.import_module("linked_train.config")
+    monkeypatch.setitem(sys.modules, "linked_train.config", linked_config)  # dropped again after the test
+    assert linked_config.__file__.startswith(str(tmp_path))
+    assert linked_config.REPO_ROOT == config.REPO_ROOT
+    assert os.path.isdir(os.path.join(linked_config.REPO_ROOT, "jetspec_jax", "heads"))
