@@ -16,6 +16,8 @@ from test_train import TEST_SETTINGS, corpus, one_device, tiny_target  # noqa: F
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
 from jetspec_jax.train.campaign import CampaignSpec, bring_back, read_records, run_segment, segment_overrides
+from jetspec_jax.train.config import load_config
+from jetspec_jax.train.data import training_stream
 from jetspec_jax.train.mixture import is_heldout
 from jetspec_jax.train.regenerate import sample_key
 from jetspec_jax.train.trainer import train
@@ -24,8 +26,6 @@ from jetspec_jax.train.trainer import train
 @pytest.fixture(scope="module")
 def start_head(tiny_target, corpus, tmp_path_factory):
     """The head a campaign starts from: two steps of a tiny run, exported."""
-    from jetspec_jax.train.config import load_config
-
     out = tmp_path_factory.mktemp("start")
     train(load_config("tiny-cpu", [f"run.out_dir={out}", *TEST_SETTINGS, f"run.export_head={out / 'head'}",
                                    "run.max_steps=2"]), tiny_target, corpus, mesh=one_device())
@@ -106,6 +106,14 @@ def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target
         assert record["held_out_end"]["head"]["loss"] > 0 and record["tokens_per_s"] > 0
     assert second["campaign_tokens"] == first["tokens_this_run"] + second["tokens_this_run"]
     assert (tmp_path / "campaign" / "segment-002" / "data_plan.json").is_file()
+    # the same corpus: the second segment takes the batch stream up where the first stopped
+    assert first["corpus"]["start_step"] == 0 and second["corpus"]["start_step"] == first["steps_this_run"] == 5
+    assert first["corpus"]["fingerprint"] == second["corpus"]["fingerprint"]
+    cfg = load_config("tiny-cpu", spec.overrides)
+    stream = training_stream(corpus.answers("train"), cfg.buckets(), mixture=cfg.data.mixture,
+                             seed=cfg.run.seed).dataset
+    tokens = [int(np.sum(stream[i]["length"])) for i in range(5 + second["steps_this_run"])]
+    assert second["tokens_this_run"] == sum(tokens[5:]) != sum(tokens[:second["steps_this_run"]])
 
 
 def test_a_segment_draws_fresh_samples_for_training_prompts_only(tiny_target, start_head, tmp_path):

@@ -13,8 +13,9 @@ Two ways to continue (campaign.toml's `cycle.mode`):
 - "restart": every segment starts from the exported heads of the last (bf16 weights, what a segment brings
   back: about 19 MB a head for the embedded model's 3-layer pair) with a fresh AdamW state, warms up to
   the cycle's peak learning rate and decays by a cosine to a tenth of it over the steps planned to fill
-  `--minutes` (at the last segment's measured rate), so every segment ends annealed and its heads can ship. Segment n regenerates its corpus with fresh
-  samples (data.resample = n) unless `--corpus` names one.
+  `--minutes` (at the last segment's measured rate), so every segment ends annealed and its heads can ship.
+  Segment n regenerates its corpus with fresh samples (data.resample = n) unless `--corpus` names one; on a
+  corpus earlier segments trained on, it takes the batch stream up where they stopped (data.start_step).
 - "continue": one schedule over `cycle.total_steps` cut into segments: each resumes exactly from the
   checkpoint the last brought back (`--resume-from`: fp32 weights, optimizer state, data position) on the
   same corpus, as one uninterrupted run would.
@@ -164,17 +165,16 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
 
     from .corpus import Corpus
     from .regenerate import load_regeneration_prompts, regenerate
-    from .trainer import train
+    from .trainer import corpus_fingerprint, train
 
     records = read_records(spec.directory)
     if spec.cycle.mode == "continue" and records and resume_from is None:
         raise InputError("cycle.mode is \"continue\": give --resume-from, the checkpoint the last segment brought "
                          "back (or start a new campaign folder)")
     heads = start_heads(spec, state)
-    overrides = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads), *extra]
-    if max_steps:
-        overrides.append(f"run.max_steps={max_steps}")
-    cfg = load_config(spec.config, overrides)
+    planned = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads)]
+    given = [*extra, *([f"run.max_steps={max_steps}"] if max_steps else [])]  # the caller's settings win
+    cfg = load_config(spec.config, [*planned, *given])
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     if resume_from is not None:
         bring_in_checkpoint(resume_from, os.path.join(run_dir, "checkpoints"))
@@ -192,6 +192,10 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
             raise InputError(f"the corpus in {corpus_dir} is unfinished (data.regen_max_minutes): run again to "
                              "resume it")
     corpus = Corpus(corpus_dir)
+    if spec.cycle.mode == "restart":
+        seen = steps_on_corpus(spec.directory, records, corpus_fingerprint(corpus))
+        if seen:  # a corpus earlier segments trained on: go on in its stream where they stopped
+            cfg = load_config(spec.config, [*planned, f"data.start_step={seen}", *given])
     digests_before = heads_digests(heads)
     summary = train(cfg, target, corpus, mesh=mesh)
     record = segment_record(spec, records, cfg, summary, run_dir, corpus, regen_seconds, digests_before,
@@ -200,8 +204,23 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
     return record
 
 
+def steps_on_corpus(directory: str, records: list[dict], fingerprint: str) -> int:
+    """Training steps the campaign's segments have taken on the corpus with this fingerprint (each segment's
+    data_plan.json names its corpus)."""
+    steps = 0
+    for record in records:
+        plan = os.path.join(directory, f"segment-{record['segment']:03d}", "data_plan.json")
+        if os.path.exists(plan):
+            with open(plan) as f:
+                if json.load(f).get("corpus") == fingerprint:
+                    steps += record["steps_this_run"]
+    return steps
+
+
 def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str, corpus, regen_seconds: float,
                    digests_before: list[str], resume_from: str | None, command: str) -> dict:
+    from .trainer import corpus_fingerprint
+
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     start_row = next((r for r in rows if r.get("step") == 0 and "warm_start" in r), None)
@@ -219,7 +238,9 @@ def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str,
         "tokens_per_s": round(summary["tokens_seen_this_run"] / max(summary["train_seconds_this_run"], 1e-9), 1),
         "compile_seconds": summary["compile_seconds_this_run"], "regen_seconds": round(regen_seconds, 1),
         "corpus": {"dir": os.path.basename(os.path.normpath(corpus.out_dir)),
-                   "answers": corpus.manifest.get("num_answers"), "resample": cfg.data.resample},
+                   "answers": corpus.manifest.get("num_answers"),
+                   "resample": corpus.manifest.get("settings", {}).get("resample", 0),
+                   "fingerprint": corpus_fingerprint(corpus), "start_step": cfg.data.start_step},
         "heads_before": digests_before, "heads_after": heads_digests(exports) if all(exports) else None,
         "held_out_start": held_out(start_row) if start_row else None,
         "held_out_end": held_out(evals[-1]) if evals else None,

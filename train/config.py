@@ -42,6 +42,9 @@ class DataConfig:
     # held-out prompts keep the first draw, so held-out numbers compare across corpora. Greedy answers are
     # the same in every draw.
     resample: int = 0
+    # training starts this many steps into the stream: a campaign segment on a corpus earlier segments trained
+    # on goes on where they stopped instead of repeating their batches
+    start_step: int = 0
     max_prompt_tokens: int = 4096  # longer prompts are skipped (counted in the manifest)
     max_new_tokens: int = 512  # every answer may run this long
     max_answer_tokens: int = 512  # an unfinished answer goes on up to this where its slot's cache rows allow
@@ -153,6 +156,8 @@ class TrainConfig:
                          if k not in ("data_dir", "regen_dir") and not k.startswith("regen_")}
         if not self.data.resample:  # and runs on a first draw
             del shape["data"]["resample"]
+        if not self.data.start_step:  # and runs from the stream's start
+            del shape["data"]["start_step"]
         shape["seed"] = self.run.seed
         shape["compute_dtype"] = self.run.compute_dtype
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
@@ -212,7 +217,8 @@ LIMITS = {
     "data.regen_batch_size": _at_least(1), "data.max_prompt_tokens": _at_least(1),
     "data.regen_chunk_steps": _at_least(1), "data.regen_shard_answers": _at_least(1),
     "data.regen_max_minutes": _at_least(0),
-    "data.anchors_per_1k_tokens": _POSITIVE, "data.resample": _at_least(0), "data.regen_dir": _NOT_EMPTY,
+    "data.anchors_per_1k_tokens": _POSITIVE, "data.resample": _at_least(0),
+    "data.start_step": _at_least(0), "data.regen_dir": _NOT_EMPTY,
     "head.num_layers": _at_least(1), "head.block_size": _at_least(2), "head.num_taps": _at_least(1),
     "head.attention": _one_of("causal", "bidirectional"), "head.intermediate_size": _at_least(0),
     "loss.kind": _one_of("fkl", "ce", "rkl"), "loss.temperature": _POSITIVE, "loss.gamma": _at_least(0),

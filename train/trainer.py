@@ -611,7 +611,9 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
         "buckets": [b._asdict() for b in buckets], **stream.plan,
         "heldout_answers_per_kind": dict(collections.Counter(
             kind for b in eval_batches for kind in b["kind"].tolist() if kind))})
-    batches = batch_iterator(stream.dataset, data_state and data_state["iterator"])
+    # a slice keeps each step's global index, so its anchors are those the whole stream would draw there
+    dataset = stream.dataset[cfg.data.start_step:] if cfg.data.start_step else stream.dataset
+    batches = batch_iterator(dataset, data_state and data_state["iterator"])
     counter = TokenCounter(data_state and data_state["tokens_seen"])
     tokens_before = counter.seen["real_tokens"]
     # training time before this run (from the checkpoint), so a resumed run's metrics continue its clock
