@@ -111,15 +111,13 @@ def test_eos_and_batch_stopping_match_ar(tiny_qwen3):
 
 @pytest.mark.slow
 def test_embedded_model_lossless_at_t0(embedded_target):
+    """Drafts that are the target's own greedy tokens: nearly every node accepted, still AR's output. (Trained
+    and random heads on this model: test_generate_api.py.)"""
     from jetspec_jax.tokens import encode_prompts
 
     prompts = encode_prompts(embedded_target.tokenizer, ["What is 12 times 12?", "Name three primary colors."])
     gen = GenerationConfig(max_new_tokens=32)
     want, _ = run_ar(embedded_target, prompts, gen)
-    drafter, head = random_head(embedded_target.cfg, jax.random.key(0), block_size=16)
-    for spec in (SpecConfig("jetspec", 32, 4), SpecConfig("dflash", 16)):
-        out = run_spec(embedded_target, drafter, head, prompts, gen, spec)
-        np.testing.assert_array_equal(np.asarray(out.tokens), want)
     good = run_spec(embedded_target, TargetGreedyDrafter(embedded_target.cfg, 7), None, prompts, gen,
                     SpecConfig("jetspec", 16, 2))
     np.testing.assert_array_equal(np.asarray(good.tokens), want)
