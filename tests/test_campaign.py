@@ -15,7 +15,8 @@ from test_train import TEST_SETTINGS, corpus, one_device, tiny_target  # noqa: F
 
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
-from jetspec_jax.train.campaign import CampaignSpec, bring_back, read_records, run_segment, segment_overrides
+from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, bring_back, read_records,
+                                        run_segment, segment_overrides, training_minutes)
 from jetspec_jax.train.config import load_config
 from jetspec_jax.train.data import training_stream
 from jetspec_jax.train.mixture import is_heldout
@@ -87,6 +88,7 @@ def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target
     cycle = "steps_per_minute = 5\nwarmup_steps = 2\npeak_learning_rate = 3e-3\nfresh_samples = false"
     spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle)
     first = on_machine(spec, tmp_path, 1, corpus, minutes=1)
+    assert first["training_minutes"] == 1
     assert first["planned_steps"] == first["steps"] == 5 and first["heads_before"] == [
         verify_head_files(start_head).weights_digest()]
     carried = tmp_path / "carried"
@@ -124,6 +126,17 @@ def test_a_segment_draws_fresh_samples_for_training_prompts_only(tiny_target, st
     heldout_prompt = next({"source": "gsm8k", "id": f"q{i}"} for i in range(100) if is_heldout("gsm8k", f"q{i}"))
     assert sample_key(train_prompt, 0) == "gsm8k:" + train_prompt["id"] != sample_key(train_prompt, 2)
     assert sample_key(heldout_prompt, 2) == sample_key(heldout_prompt, 0)
+
+
+def test_a_time_boxed_segment_trains_for_what_the_corpus_left():
+    records = [{"compile_seconds": 150.0}]
+    assert training_minutes(9, None, 10_000, records) == 9  # no box: the training time asked for
+    assert training_minutes(9, 30, 300, records) == 9  # the box leaves more than asked
+    left = (18 * 60 - 300 - 150 - AFTER_TRAINING_S) / 60  # a slow corpus: training gets the rest
+    assert left < 9 and training_minutes(9, 18, 300, records) == pytest.approx(left)
+    assert training_minutes(60, 20, 300, []) == pytest.approx((20 * 60 - 300 - COMPILE_GUESS_S - AFTER_TRAINING_S) / 60)
+    with pytest.raises(InputError, match="--finish-within 8 leaves 0.0 minutes.*carry a corpus"):
+        training_minutes(9, 8, 500, records)
 
 
 def test_a_bad_campaign_file_is_one_clear_error(tmp_path):

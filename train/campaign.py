@@ -41,6 +41,8 @@ from .config import REPO_ROOT, TrainConfig, load_config
 SPEC_FILE = "campaign.toml"
 LOG_FILE = "segments.jsonl"
 MODES = ("restart", "continue")
+COMPILE_GUESS_S = 180.0  # --finish-within's guess at compiling a segment's programs before one has been timed
+AFTER_TRAINING_S = 120.0  # kept by --finish-within for the held-out evaluations at start and end, and the export
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,21 @@ def heads_digests(paths: list[str]) -> list[str]:
     return [verify_head_files(p).weights_digest() for p in paths]
 
 
+def training_minutes(minutes: float, finish_within: float | None, elapsed_s: float, records: list[dict]) -> float:
+    """The training time box: `minutes`, or less where the whole segment must end within `finish_within`
+    minutes of its start (a lease's end) and `elapsed_s` went on the corpus. The rest is kept for compiling
+    (the last segment's time, else a guess) and for the held-out evaluations and the export."""
+    if finish_within is None:
+        return minutes
+    compile_s = next((r["compile_seconds"] for r in reversed(records) if r.get("compile_seconds")), COMPILE_GUESS_S)
+    left_s = finish_within * 60 - elapsed_s - compile_s - AFTER_TRAINING_S
+    if left_s < 60:
+        raise InputError(f"--finish-within {finish_within:g} leaves {max(left_s, 0) / 60:.1f} minutes of training "
+                         f"after {elapsed_s:.0f} s on the corpus and {compile_s + AFTER_TRAINING_S:.0f} s kept for "
+                         "compiling, evaluating and exporting: give a longer time box, or carry a corpus (--corpus)")
+    return min(minutes, left_s / 60)
+
+
 def held_out(row: dict) -> dict:
     """A metrics row's held-out numbers, per head: loss, chain tau, tree-causal tau, and tau per kind."""
     by_head = row.get("eval_by_head") or ({"head": row} if "eval_loss" in row else {})
@@ -158,15 +175,17 @@ def held_out(row: dict) -> dict:
 
 def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str | None = None,
                 resume_from: str | None = None, corpus_dir: str | None = None, extra: list[str] = (),
-                command: str | None = None, max_steps: int = 0, mesh=None) -> dict:
-    """One segment: corpus (regenerated unless given), training (on `mesh`, default all devices), export,
-    and the record appended to the campaign's log. Returns the record."""
+                command: str | None = None, max_steps: int = 0, mesh=None, finish_within: float | None = None) -> dict:
+    """One segment: corpus (regenerated unless given), training (on `mesh`, default all devices) for `minutes`
+    or what `finish_within` leaves after the corpus, export, and the record appended to the campaign's log.
+    Returns the record."""
     from jetspec_jax.target import load_target
 
     from .corpus import Corpus
     from .regenerate import load_regeneration_prompts, regenerate
     from .trainer import corpus_fingerprint, train
 
+    started = time.perf_counter()
     records = read_records(spec.directory)
     if spec.cycle.mode == "continue" and records and resume_from is None:
         raise InputError("cycle.mode is \"continue\": give --resume-from, the checkpoint the last segment brought "
@@ -192,6 +211,10 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
             raise InputError(f"the corpus in {corpus_dir} is unfinished (data.regen_max_minutes): run again to "
                              "resume it")
     corpus = Corpus(corpus_dir)
+    if finish_within is not None:  # the schedule planned for the training time the corpus left
+        minutes = training_minutes(minutes, finish_within, time.perf_counter() - started, records)
+        planned = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads)]
+        cfg = load_config(spec.config, [*planned, *given])
     if spec.cycle.mode == "restart":
         seen = steps_on_corpus(spec.directory, records, corpus_fingerprint(corpus))
         if seen:  # a corpus earlier segments trained on: go on in its stream where they stopped
@@ -230,6 +253,7 @@ def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str,
         "segment": len(records) + 1, "mode": spec.cycle.mode, "commit": git_head(), "command": command,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "devices": summary.get("devices"),
         "resumed_from_checkpoint": resume_from is not None,
+        "training_minutes": cfg.run.max_minutes,
         "learning_rate": cfg.optim.learning_rate, "warmup_steps": cfg.optim.warmup_steps,
         "planned_steps": cfg.optim.total_steps, "steps": summary["steps"], "steps_this_run": summary["steps_this_run"],
         "tokens_this_run": summary["tokens_seen_this_run"],
@@ -304,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", required=True, help="where the segment runs: corpus, checkpoints, exported heads")
     p.add_argument("--state", default=None, help="restart mode: the export folder a previous segment brought back "
                                                  "(default: campaign.toml's heads)")
+    p.add_argument("--finish-within", type=float, default=None, metavar="MINUTES",
+                   help="end the whole segment (corpus, compilation, training, evaluation, export) within this many "
+                        "minutes of its start, e.g. a lease's end: training gets --minutes or what the corpus left")
     p.add_argument("--resume-from", default=None, help="continue mode: the checkpoint the last segment brought back")
     p.add_argument("--corpus", default=None, help="a regenerated corpus to train on instead of regenerating")
     p.add_argument("--bring-back", default=None, help="copy what the next segment needs here: export/ (the heads) "
@@ -316,7 +343,8 @@ def campaign_command(argv=None) -> int:
     args = build_parser().parse_args(argv)
     spec = CampaignSpec.read(args.campaign)
     record = run_segment(spec, minutes=args.minutes, out_dir=args.out_dir, state=args.state,
-                         resume_from=args.resume_from, corpus_dir=args.corpus, extra=args.overrides)
+                         resume_from=args.resume_from, corpus_dir=args.corpus, extra=args.overrides,
+                         finish_within=args.finish_within)
     if args.bring_back:
         bring_back(spec, args.out_dir, args.bring_back)
     print(json.dumps(record, indent=2))
