@@ -20,7 +20,7 @@ from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, Campa
 from jetspec_jax.train.config import load_config
 from jetspec_jax.train.data import training_stream
 from jetspec_jax.train.mixture import is_heldout
-from jetspec_jax.train.regenerate import sample_key
+from jetspec_jax.train.regenerate import draw_prompts, sample_key
 from jetspec_jax.train.trainer import train
 
 
@@ -126,6 +126,19 @@ def test_a_segment_draws_fresh_samples_for_training_prompts_only(tiny_target, st
     heldout_prompt = next({"source": "gsm8k", "id": f"q{i}"} for i in range(100) if is_heldout("gsm8k", f"q{i}"))
     assert sample_key(train_prompt, 0) == "gsm8k:" + train_prompt["id"] != sample_key(train_prompt, 2)
     assert sample_key(heldout_prompt, 2) == sample_key(heldout_prompt, 0)
+
+
+def test_a_partial_draw_keeps_every_heldout_prompt_and_moves_over_the_training_prompts():
+    prompts = [{"source": "gsm8k", "id": f"q{i}"} for i in range(4000)]
+    heldout = [p for p in prompts if is_heldout(p["source"], p["id"])]
+    draws = [draw_prompts(prompts, 0.25, resample) for resample in (2, 3)]
+    assert draw_prompts(prompts, 1.0, 2) == prompts and heldout
+    for drawn in draws:
+        assert all(p in drawn for p in heldout)
+        assert 0.22 < (len(drawn) - len(heldout)) / (len(prompts) - len(heldout)) < 0.28
+    assert draws[0] != draws[1]  # the next draw answers other training prompts
+    with pytest.raises(InputError, match="data.regen_fraction"):
+        load_config("tiny-cpu", ["data.regen_fraction=0"])
 
 
 def test_a_time_boxed_segment_trains_for_what_the_corpus_left():

@@ -42,6 +42,9 @@ class DataConfig:
     # held-out prompts keep the first draw, so held-out numbers compare across corpora. Greedy answers are
     # the same in every draw.
     resample: int = 0
+    # < 1: the corpus answers this share of the training prompts, chosen afresh for each draw by a hash of the
+    # prompt and the draw number (every held-out prompt stays), where a lease has no time for them all
+    regen_fraction: float = 1.0
     # training starts this many steps into the stream: a campaign segment on a corpus earlier segments trained
     # on goes on where they stopped instead of repeating their batches
     start_step: int = 0
@@ -218,6 +221,7 @@ LIMITS = {
     "data.regen_chunk_steps": _at_least(1), "data.regen_shard_answers": _at_least(1),
     "data.regen_max_minutes": _at_least(0),
     "data.anchors_per_1k_tokens": _POSITIVE, "data.resample": _at_least(0),
+    "data.regen_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "data.start_step": _at_least(0), "data.regen_dir": _NOT_EMPTY,
     "head.num_layers": _at_least(1), "head.block_size": _at_least(2), "head.num_taps": _at_least(1),
     "head.attention": _one_of("causal", "bidirectional"), "head.intermediate_size": _at_least(0),

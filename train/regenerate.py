@@ -5,6 +5,7 @@ that a run can stop and resume at any point."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -62,9 +63,23 @@ def regeneration_settings(target: Target, prompts: Sequence[dict], cfg: DataConf
         "dtype": str(target.params["embed"].dtype), "seed": seed,
         "answer_temperatures": [float(t) for t in cfg.answer_temperatures], "top_p": cfg.top_p,
         **({"resample": cfg.resample} if cfg.resample else {}),  # first-draw corpora keep their settings
+        **({"regen_fraction": cfg.regen_fraction} if cfg.regen_fraction < 1 else {}),
         "max_prompt_tokens": cfg.max_prompt_tokens, "max_new_tokens": cfg.max_new_tokens,
         "max_answer_tokens": max(cfg.max_answer_tokens, cfg.max_new_tokens),
         "num_prompts": len(prompts), "prompts_sha256": sha256_hex(listing.encode("utf-8"))}))
+
+
+def draw_prompts(prompts: Sequence[dict], fraction: float, resample: int) -> list[dict]:
+    """The prompts a draw answers: every held-out prompt, and each training prompt with probability `fraction`
+    by a hash of its identity and the draw number, so successive draws cover different parts."""
+    if fraction >= 1:
+        return list(prompts)
+
+    def drawn(p: dict) -> bool:
+        digest = hashlib.sha256(f"draw{resample}:{p['source']}:{p['id']}".encode("utf-8")).digest()
+        return int.from_bytes(digest[:8], "little") / 2**64 < fraction
+
+    return [p for p in prompts if is_heldout(p["source"], p["id"]) or drawn(p)]
 
 
 def sample_key(prompt: dict, resample: int) -> str:
@@ -122,10 +137,12 @@ def cache_rows(cfg: DataConfig, target: Target) -> int:
 
 def regenerate(target: Target, prompts: Sequence[dict], out_dir: str, cfg: DataConfig, *, seed: int = 0,
                attention: str = "auto", config_name: str | None = None) -> dict[str, Any]:
-    """Answers every prompt once per `cfg.answer_temperatures` entry into the corpus at `out_dir`;
+    """Answers every prompt (of the training prompts, the draw's share: `cfg.regen_fraction`) once per
+    `cfg.answer_temperatures` entry into the corpus at `out_dir`;
     returns its manifest. A finished corpus with the same settings is returned as it is; an unfinished
     one is resumed; one with other settings is refused (nothing is deleted)."""
     check_settings(cfg, target)
+    prompts = draw_prompts(prompts, cfg.regen_fraction, cfg.resample)
     settings = regeneration_settings(target, prompts, cfg, seed)
     manifest = read_manifest(out_dir)
     if manifest is not None:
