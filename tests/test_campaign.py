@@ -160,6 +160,20 @@ def test_a_bad_campaign_file_is_one_clear_error(tmp_path):
         CampaignSpec.read(str(tmp_path / "nowhere"))
 
 
+def test_the_shipped_campaign_plans_its_next_segment():
+    """campaign.toml and the log in the repository make a valid config for the next segment: a bad override
+    there fails here, not on the GPU."""
+    from jetspec_jax.train.config import REPO_ROOT
+
+    folder = f"{REPO_ROOT}/train/results/smollm2-135m-general/campaign"
+    spec, records = CampaignSpec.read(folder), read_records(folder)
+    heads = [f"{REPO_ROOT}/{h}" for h in spec.heads]
+    cfg = load_config(spec.config, [*spec.overrides, *segment_overrides(spec, records, 7, "OUT", heads)])
+    assert cfg.data.resample == len(records) + 1 and cfg.data.regen_batch_size == 4096
+    last = records[-1]
+    assert cfg.optim.total_steps == round(7 * 60 * last["steps_this_run"] / last["train_seconds_this_run"])
+
+
 def test_the_repository_root_is_found_through_a_linked_package_folder(tmp_path, monkeypatch):
     """train/ reached through a link (a checkout that links jetspec_jax/train -> ../train) still names the
     checkout as the root, so campaign.toml's heads and the default data folder resolve."""
