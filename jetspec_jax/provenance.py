@@ -58,6 +58,7 @@ def write_json_atomic(path: str, payload: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would leave results unreadable to anyone else
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -196,3 +196,26 @@ def test_the_repository_root_is_found_through_a_linked_package_folder(tmp_path, 
     assert linked_config.__file__.startswith(str(tmp_path))
     assert linked_config.REPO_ROOT == config.REPO_ROOT
     assert os.path.isdir(os.path.join(linked_config.REPO_ROOT, "jetspec_jax", "heads"))
+
+
+def test_the_learning_curve_reads_every_segment_and_names_the_kinds_that_stopped_growing(tmp_path):
+    from jetspec_jax.train.learning_curve import write_learning_curve
+
+    def numbers(tau, math, code):
+        return {"head": {"loss": 3.0 / tau, "tau": tau, "tau_by_kind": {"math": math, "code": code}}}
+
+    records = [{"segment": 1, "campaign_tokens": 40e6, "held_out_start": numbers(2.0, 2.2, 1.8),
+                "held_out_end": numbers(2.2, 2.4, 2.0)},
+               {"segment": 2, "campaign_tokens": 90e6, "held_out_start": numbers(2.2, 2.4, 2.0),
+                "held_out_end": numbers(2.3, 2.41, 2.2)}]
+    with pytest.raises(InputError, match="no segment recorded yet"):
+        write_learning_curve(str(tmp_path))
+    (tmp_path / "segments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    curves = write_learning_curve(str(tmp_path))
+    assert [(p["segment"], p["tokens"], p["tau"]) for p in curves["head"]] == [(0, 0, 2.0), (1, 40e6, 2.2),
+                                                                               (2, 90e6, 2.3)]
+    table = (tmp_path / "learning_curve.md").read_text()
+    assert "| 2 | 90.0M | 1.304 | 2.30 | 2.20 | 2.41 |" in table and "(flat) on: math." in table
+    assert json.loads((tmp_path / "learning_curve.json").read_text()) == curves
+    assert (tmp_path / "learning_curve.json").stat().st_mode & 0o777 == 0o644  # results readable by others
+    assert (tmp_path / "learning_curve.png").stat().st_size > 0

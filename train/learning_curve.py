@@ -1,0 +1,116 @@
+"""A campaign's learning curve: held-out loss and teacher-forced tau per head and kind of prompt against the
+real tokens the campaign has trained, read from its segments.jsonl, written beside it as a table
+(learning_curve.md), numbers (learning_curve.json) and a plot (learning_curve.png).
+
+    python -m jetspec_jax.train.learning_curve train/results/smollm2-135m-general/campaign
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
+from jetspec_jax.provenance import write_json_atomic
+
+from .campaign import LOG_FILE, read_records
+
+FLAT = 0.01  # a kind whose tau gained less than this share over the last segment has stopped growing
+
+
+def curve_points(records: list[dict]) -> dict[str, list[dict]]:
+    """Per head: the first segment's start (0 tokens), then every segment's end at the campaign's tokens."""
+    if not records:
+        raise InputError(f"no segment recorded yet ({LOG_FILE} is empty or missing): run a segment first")
+    first = records[0].get("held_out_start") or {}
+    curves = {head: [{"segment": 0, "tokens": 0, **numbers}] for head, numbers in first.items()}
+    for record in records:
+        for head, numbers in (record.get("held_out_end") or {}).items():
+            curves.setdefault(head, []).append({"segment": record["segment"], "tokens": record["campaign_tokens"],
+                                                **numbers})
+    return curves
+
+
+def growth(points: list[dict]) -> dict[str, float]:
+    """Each kind's relative tau gain over the last segment (and "all" for the pooled tau)."""
+    if len(points) < 2:
+        return {}
+    before, after = points[-2], points[-1]
+    gains = {"all": after["tau"] / before["tau"] - 1}
+    for kind, tau in after.get("tau_by_kind", {}).items():
+        if kind in before.get("tau_by_kind", {}):
+            gains[kind] = tau / before["tau_by_kind"][kind] - 1
+    return gains
+
+
+def markdown(curves: dict[str, list[dict]]) -> str:
+    lines = ["# Learning curve", "",
+             "Held-out, teacher-forced, per head: loss, chain tau and tau per kind of prompt against the real",
+             "tokens the campaign has trained (segment 0: the heads it started from). Written by `python -m "
+             "jetspec_jax.train.learning_curve`.", ""]
+    for head, points in curves.items():
+        kinds = sorted({k for p in points for k in p.get("tau_by_kind", {})})
+        lines += [f"## {head}", "", "| segment | real tokens | loss | tau | " + " | ".join(kinds) + " |",
+                  "|---" * (4 + len(kinds)) + "|"]
+        for p in points:
+            by_kind = p.get("tau_by_kind", {})
+            lines.append(f"| {p['segment']} | {p['tokens'] / 1e6:.1f}M | {p['loss']:.3f} | {p['tau']:.2f} | "
+                         + " | ".join(f"{by_kind[k]:.2f}" if k in by_kind else "" for k in kinds) + " |")
+        gains = growth(points)
+        if gains:
+            flat = sorted(k for k, g in gains.items() if k != "all" and g < FLAT)
+            lines += ["", f"Over the last segment tau grew {100 * gains['all']:+.1f}% pooled; "
+                      + (f"under {100 * FLAT:.0f}% (flat) on: {', '.join(flat)}." if flat
+                         else f"every kind grew by {100 * FLAT:.0f}% or more.")]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(curves: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
+    for ax, (head, points) in zip(axes.flat, curves.items()):
+        tokens = [p["tokens"] / 1e6 for p in points]
+        for i, kind in enumerate(sorted({k for p in points for k in p.get("tau_by_kind", {})})):
+            ax.plot(tokens, [p.get("tau_by_kind", {}).get(kind) for p in points], marker="o", color=f"C{i}",
+                    label=kind)
+        ax.plot(tokens, [p["tau"] for p in points], marker="s", color="black", linewidth=2.5, label="all")
+        ax.set(title=head, xlabel="real tokens trained in the campaign (M)", ylabel="held-out tau")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
+def write_learning_curve(directory: str) -> dict[str, list[dict]]:
+    curves = curve_points(read_records(directory))
+    write_json_atomic(os.path.join(directory, "learning_curve.json"), curves)
+    path = os.path.join(directory, "learning_curve.md")
+    with open(path + ".tmp", "w") as f:
+        f.write(markdown(curves))
+    os.replace(path + ".tmp", path)
+    plot(curves, os.path.join(directory, "learning_curve.png"))
+    return curves
+
+
+def learning_curve_command(argv=None) -> int:
+    p = OneLineErrorParser(prog="python -m jetspec_jax.train.learning_curve", description=__doc__.split("\n\n")[0])
+    p.add_argument("campaign", help="the campaign folder (holding segments.jsonl)")
+    args = p.parse_args(argv)
+    write_learning_curve(args.campaign)
+    print(f"wrote learning_curve.md, .json and .png in {args.campaign}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(learning_curve_command, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
