@@ -7,7 +7,7 @@
 Prompts go through the tokenizer's chat template (non-thinking) and run as one batch through
 `api.generate`. On a terminal (or with --stream) it instead streams each answer as its tokens commit,
 through the serving engine (serve/engine.py), one prompt after another. The command line sits on top of
-both; neither imports it.
+both; neither imports it, nor does the server's command line (they share cli_loading.py).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Sequence
 import jax
 
 from jetspec_jax import cache
-from jetspec_jax.api import GenerationResult, check_head_attention, generate, random_head
+from jetspec_jax.api import GenerationResult, check_head_attention, generate
+from jetspec_jax.cli_loading import load_for_cli
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
-from jetspec_jax.loading.head_checkpoint import load_head, no_head_message, packaged_head_path, verify_head_files
 from jetspec_jax.sampling import SamplingConfig, seed_words
-from jetspec_jax.speculative import (ATTENTION_IMPLS, ATTENTION_OF_METHOD, GEMM_BACKENDS, METHODS, SpecConfig,
-                                     check_tree_causal_settings, check_tree_temperature)
-from jetspec_jax.target import Target, load_target
+from jetspec_jax.speculative import (ATTENTION_IMPLS, GEMM_BACKENDS, METHODS, SpecConfig, check_tree_causal_settings,
+                                     check_tree_temperature)
+from jetspec_jax.target import Target
 from jetspec_jax.tokens import encode_prompts, pad_prompts, pad_token, plan_cache_len
 from jetspec_jax.tree import validate_tree_settings
 
@@ -89,36 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "else pallas), auto (mosaic or pallas per call on GPU, else xla)")
     cache.add_cache_flags(p)
     return p
-
-
-def resolve_method_and_head(args, target: Target):
-    """(method, head) for the CLI: an explicit --head, else the head shipped for this target (matched by
-    its fingerprint, whatever the file is called)."""
-    method = args.method
-    if method == "auto":
-        if args.head or packaged_head_path(target, "jetspec"):
-            method = "jetspec"
-        else:
-            print(f"note: {no_head_message(target, 'jetspec')}; decoding token by token", file=sys.stderr)
-            method = "ar"
-    if method == "ar":
-        return method, None
-    path = args.head or packaged_head_path(target, method)
-    if path:
-        return method, load_head(path, target.params["embed"].dtype, target=target)
-    attention = ATTENTION_OF_METHOD[method]
-    print(f"warning: {no_head_message(target, method)}; using an untrained head (output is still exact, "
-          "but tau ~ 1 and nothing is faster)", file=sys.stderr)
-    return method, random_head(target, attention, args.seed)
-
-
-def load_for_cli(args) -> tuple[Target, str, tuple | None]:
-    """(target, method, head) from a command line's --model, --dtype, --method and --head; a damaged
-    --head fails before the target loads. Shared by generate and serve."""
-    if args.head:
-        verify_head_files(args.head)
-    target = load_target(args.model, dtype=args.dtype)
-    return (target, *resolve_method_and_head(args, target))
 
 
 def check_cli_settings(args) -> None:

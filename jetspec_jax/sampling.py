@@ -122,7 +122,7 @@ def sample_rows_inverse_cdf(logits: jax.Array, keys: jax.Array, temperature: jax
                             block: int = 128) -> jax.Array:
     """logits (B, V), one key and temperature per row (B,) -> tokens (B,) int32: argmax where the
     temperature is 0, else a draw from softmax(logits / temperature) by inverting its CDF with one
-    uniform per row (`select_tokens_rows` draws V Gumbel numbers per row: the cost of large-batch
+    uniform per row (`select_tokens` draws V Gumbel numbers per row: the cost of large-batch
     sampling). The CDF is searched in two levels, blocks of `block` tokens then within one block,
     so no scan runs over the whole vocabulary."""
     b, v = logits.shape

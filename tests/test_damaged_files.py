@@ -423,6 +423,6 @@ def test_eval_results_path_that_is_a_directory_or_has_a_damaged_sidecar(eval_dat
     (["--method", "eagle"], "argument --method: invalid choice: 'eagle'"),
 ])
 def test_generate_settings_fail_before_the_target_loads(args, message, capsys, monkeypatch):
-    monkeypatch.setattr("jetspec_jax.generate.load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr("jetspec_jax.cli_loading.load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     line = error_line(capsys, generate_main, ["hi", "--no-cache", *args])
     assert message in line, line

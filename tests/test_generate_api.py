@@ -73,7 +73,7 @@ def test_cli_default_is_jetspec_with_the_shipped_head(capsys):
 
 
 def test_cli_without_a_trained_head_warns(capsys, monkeypatch):
-    monkeypatch.setattr("jetspec_jax.generate.packaged_head_path", lambda target, method: None)
+    monkeypatch.setattr("jetspec_jax.cli_loading.packaged_head_path", lambda target, method: None)
     assert main(["What is 2 plus 2?", "--method", "ddtree", "--budget", "8", "--max-new-tokens", "8"]) == 0
     err = capsys.readouterr().err
     assert "untrained head" in err and "tau" in err and "ddtree" in err

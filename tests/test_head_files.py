@@ -16,6 +16,7 @@ from conftest import make_tiny_checkpoint
 
 from jetspec_jax import api
 from jetspec_jax import generate as generate_cli
+from jetspec_jax.cli_loading import resolve_method_and_head
 from jetspec_jax.eval import runner
 from jetspec_jax.eval.__main__ import main as eval_main
 from jetspec_jax.eval.heads import resolve_heads
@@ -116,7 +117,7 @@ def test_hugging_face_export_of_the_gguf_has_its_fingerprint(embedded_target, tm
 
 def test_renamed_model_keeps_its_shipped_heads_in_the_cli(renamed_target, capsys, monkeypatch):
     loaded = []
-    monkeypatch.setattr(generate_cli, "load_target", lambda path, **kw: loaded.append(path) or renamed_target)
+    monkeypatch.setattr("jetspec_jax.cli_loading.load_target", lambda path, **kw: loaded.append(path) or renamed_target)
     code, _, err = run_cli(["What is 2 plus 2?", "--model", renamed_target.source] + FAST, capsys)
     assert code == 0 and loaded == [renamed_target.source]
     assert "jetspec, tau" in err and "untrained" not in err and "note:" not in err
@@ -138,7 +139,7 @@ def test_renamed_model_keeps_its_shipped_heads_in_the_eval(renamed_target, tmp_p
 def test_head_of_another_target_is_refused(embedded_target, shipped_head_copy, capsys, monkeypatch, tmp_path):
     edit_config(shipped_head_copy, lambda d: d.update(target_fingerprint="0123456789abcdef",
                                                       target_name="other-model.gguf"))
-    monkeypatch.setattr(generate_cli, "load_target", lambda path, **kw: embedded_target)
+    monkeypatch.setattr("jetspec_jax.cli_loading.load_target", lambda path, **kw: embedded_target)
     code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
     assert code == 2
     assert_one_error_line(err, "other-model.gguf", "0123456789abcdef", embedded_target.name,
@@ -162,7 +163,7 @@ def test_saved_head_records_its_target(tiny_qwen3, tmp_path):
 def test_unknown_target_says_no_head_exists_and_how_to_train(tiny_qwen3, capsys):
     target, _ = tiny_qwen3
     args = generate_cli.build_parser().parse_args(["hi"])
-    method, head = generate_cli.resolve_method_and_head(args, target)
+    method, head = resolve_method_and_head(args, target)
     err = capsys.readouterr().err
     assert method == "ar" and head is None
     assert "no trained jetspec head exists" in err and target.fingerprint in err
@@ -199,7 +200,7 @@ def test_unreadable_weights_without_a_recorded_sha(embedded_target, shipped_head
     weights = os.path.join(shipped_head_copy, WEIGHTS_FILE)
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
-    monkeypatch.setattr(generate_cli, "load_target", lambda path, **kw: embedded_target)
+    monkeypatch.setattr("jetspec_jax.cli_loading.load_target", lambda path, **kw: embedded_target)
     code, _, err = run_cli(["hi", "--head", shipped_head_copy] + FAST, capsys)
     assert code == 2
     assert_one_error_line(err, weights, "not a readable safetensors file")

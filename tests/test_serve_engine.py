@@ -222,16 +222,21 @@ def accepted_drafts(engine: Engine) -> int:
     return sum(chunk["accepted"] for chunk in engine.stats.history)
 
 
-def test_sampled_requests_are_offline_ar_s_own_samples(target, heads):
+@pytest.mark.parametrize("budget", [8, "auto"])
+def test_sampled_requests_are_offline_ar_s_own_samples(target, heads, budget):
     """At T>0 with top-k and top-p, each request's tokens through the engine (three slots, requests
     admitted as others finish, drafts accepted) are offline AR's for the same seed, token for token: a
-    token is drawn with its request's key and output index, whatever the batch, budget or method."""
+    token is drawn with its request's key and output index, whatever the batch, budget or method; with
+    auto, chunks alternate between plain decoding and trees."""
     from jetspec_jax.sampling import request_keys
 
     sampling = SamplingParams(temperature=0.8, top_p=0.95, top_k=40)
     seeds = [2**40 + 7 * i for i in range(len(PROMPTS))]
-    engine = drafting_greedily(Engine(target, heads["jetspec"], method="jetspec", slots=3, max_len=256, budget=8,
-                                      width=3, chunk_steps=4, stop_token_ids=(EOS,)), target)
+    engine = drafting_greedily(Engine(target, heads["jetspec"], method="jetspec", slots=3, max_len=256,
+                                      budget=budget, width=3, chunk_steps=4, stop_token_ids=(EOS,)), target)
+    if budget == "auto":
+        arms = itertools.cycle([PLAIN, 8])
+        engine.policy.choose = lambda live, batch=None: next(arms)
     try:
         handles = [engine.submit(EngineRequest(p, m, dataclasses.replace(sampling, seed=s)))
                    for p, m, s in zip(PROMPTS, LIMITS, seeds)]
@@ -246,6 +251,7 @@ def test_sampled_requests_are_offline_ar_s_own_samples(target, heads):
     rows = np.asarray(want.tokens)
     assert got == [rows[i, : min(int(want.num_tokens[i]), m)].tolist() for i, m in enumerate(LIMITS)]
     assert accepted_drafts(engine) > 0
+    assert {chunk["budget"] for chunk in engine.stats.history} == ({8} if budget == 8 else {PLAIN, 8})
 
 
 def test_sampled_requests_follow_the_target_distribution(target, heads):
@@ -481,17 +487,19 @@ def test_a_request_the_device_cannot_take_fails_alone(target):
     admission, so no chunk compiles.)"""
     engine = Engine(target, None, method="ar", slots=2, max_len=128, stop_token_ids=())
     good = engine.submit(EngineRequest(PROMPTS[0], 1))
-    bad = RequestHandle(EngineRequest(PROMPTS[1], 1, SamplingParams(temperature=1.0, top_k=2**31)), None)
-    engine.pending.append(bad)  # as if submit had not checked it
+    bad = [RequestHandle(EngineRequest(PROMPTS[1], 1, SamplingParams(temperature=1.0, top_k=2**31)), None),
+           RequestHandle(EngineRequest(PROMPTS[2], 1, SamplingParams(temperature=1.0, seed=2**64)), None)]
+    engine.pending.extend(bad)  # as if submit had not checked them
     engine.start()
     try:
-        tokens, finish = collect(bad)
-        assert (tokens, finish.reason) == ([], "error") and "top_k" in finish.message
+        for handle, field in zip(bad, ("top_k", "seed")):
+            tokens, finish = collect(handle)
+            assert (tokens, finish.reason) == ([], "error") and field in finish.message
         tokens, finish = collect(good)
         assert (len(tokens), finish.reason) == (1, "length")
         tokens, finish = collect(engine.submit(EngineRequest(PROMPTS[1], 1)))
         assert (len(tokens), finish.reason) == (1, "length")
-        assert engine.failure is None and engine.metrics()["requests_finished"] == 3
+        assert engine.failure is None and engine.metrics()["requests_finished"] == 4
     finally:
         engine.shutdown()
 
@@ -528,6 +536,9 @@ def test_bad_requests_name_the_field(target, heads):
             engine.submit(EngineRequest([1], 5, SamplingParams(temperature=1.0, top_k=top_k)))
     with pytest.raises(ValueError, match="^prompt: token ids"):
         engine.submit(EngineRequest([1, 97], 5))
+    for seed in (-1, 2**64):  # past 64 bits: it killed the device thread
+        with pytest.raises(ValueError, match=r"^seed must be in \[0, 2\*\*64\)"):
+            engine.submit(EngineRequest([1], 5, SamplingParams(temperature=1.0, seed=seed)))
     with pytest.raises(ValueError, match="budget"):
         Engine(target, heads["jetspec"], method="jetspec", budget=1)
     with pytest.raises(ValueError, match="needs a draft head"):

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from jetspec_jax import cache
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
-from jetspec_jax.generate import load_for_cli
+from jetspec_jax.cli_loading import load_for_cli
 from jetspec_jax.serve.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                                       DEFAULT_MAX_CONNECTIONS)
 from jetspec_jax.speculative import GEMM_BACKENDS, METHODS

@@ -323,13 +323,16 @@ class Engine:
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Raises ValueError, its message starting with the field's name, for a value the device cannot
-        take: top_k past the vocabulary (the int32 conversion on the device thread failed on 2**31)."""
+        take: top_k past the vocabulary (the int32 conversion on the device thread failed on 2**31), a seed
+        outside [0, 2**64)."""
         sampling.config()
         vocab = self.target.cfg.vocab_size
         if sampling.top_k > vocab:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab} (0 disables), got {sampling.top_k}")
         if not math.isfinite(sampling.temperature):
             raise ValueError(f"temperature must be finite, got {sampling.temperature}")
+        if sampling.seed is not None:
+            seed_words([sampling.seed])  # "seed must be in [0, 2**64)": raised here, not on the device thread
 
     def check(self, request: EngineRequest) -> None:
         """Everything about a request the device needs: submit checks it, the device thread again."""
