@@ -89,6 +89,7 @@ def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target
     spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle)
     first = on_machine(spec, tmp_path, 1, corpus, minutes=1)
     assert first["training_minutes"] == 1
+    assert first["segment_seconds"] > first["train_seconds_this_run"] + first["compile_seconds"]
     assert first["planned_steps"] == first["steps"] == 5 and first["heads_before"] == [
         verify_head_files(start_head).weights_digest()]
     carried = tmp_path / "carried"
@@ -150,6 +151,10 @@ def test_a_time_boxed_segment_trains_for_what_the_corpus_left():
     assert training_minutes(60, 20, 300, []) == pytest.approx((20 * 60 - 300 - COMPILE_GUESS_S - AFTER_TRAINING_S) / 60)
     with pytest.raises(InputError, match="--finish-within 8 leaves 0.0 minutes.*carry a corpus"):
         training_minutes(9, 8, 500, records)
+    # a timed segment: keep what it spent besides regenerating and training (here 400 s)
+    timed = records + [{"segment_seconds": 1300.0, "regen_seconds": 500.0, "train_seconds_this_run": 400.0,
+                        "compile_seconds": 150.0}]
+    assert training_minutes(30, 20, 300, timed) == pytest.approx((20 * 60 - 300 - 400) / 60)
 
 
 def test_a_bad_campaign_file_is_one_clear_error(tmp_path):

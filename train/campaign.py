@@ -42,7 +42,7 @@ SPEC_FILE = "campaign.toml"
 LOG_FILE = "segments.jsonl"
 MODES = ("restart", "continue")
 COMPILE_GUESS_S = 180.0  # --finish-within's guess at compiling a segment's programs before one has been timed
-AFTER_TRAINING_S = 120.0  # kept by --finish-within for the held-out evaluations at start and end, and the export
+AFTER_TRAINING_S = 120.0  # kept by --finish-within for the held-out evaluations, the checkpoint and the export
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,17 +151,29 @@ def heads_digests(paths: list[str]) -> list[str]:
 
 def training_minutes(minutes: float, finish_within: float | None, elapsed_s: float, records: list[dict]) -> float:
     """The training time box: `minutes`, or less where the whole segment must end within `finish_within`
-    minutes of its start (a lease's end) and `elapsed_s` went on the corpus. The rest is kept for compiling
-    (the last segment's time, else a guess) and for the held-out evaluations and the export."""
+    minutes of its start (a lease's end) and `elapsed_s` went on the corpus. The rest is kept for what a
+    segment does besides regenerating and training (compiling, the held-out evaluations, the checkpoint and
+    the export): as long as the last segment's took, else its compile time and a guess for the rest."""
     if finish_within is None:
         return minutes
-    compile_s = next((r["compile_seconds"] for r in reversed(records) if r.get("compile_seconds")), COMPILE_GUESS_S)
-    left_s = finish_within * 60 - elapsed_s - compile_s - AFTER_TRAINING_S
+    kept_s = next((overhead_seconds(r) for r in reversed(records) if overhead_seconds(r)), None)
+    if kept_s is None:
+        compile_s = next((r["compile_seconds"] for r in reversed(records) if r.get("compile_seconds")),
+                         COMPILE_GUESS_S)
+        kept_s = compile_s + AFTER_TRAINING_S
+    left_s = finish_within * 60 - elapsed_s - kept_s
     if left_s < 60:
         raise InputError(f"--finish-within {finish_within:g} leaves {max(left_s, 0) / 60:.1f} minutes of training "
-                         f"after {elapsed_s:.0f} s on the corpus and {compile_s + AFTER_TRAINING_S:.0f} s kept for "
-                         "compiling, evaluating and exporting: give a longer time box, or carry a corpus (--corpus)")
+                         f"after {elapsed_s:.0f} s on the corpus and {kept_s:.0f} s kept for compiling, evaluating "
+                         "and exporting: give a longer time box, or carry a corpus (--corpus)")
     return min(minutes, left_s / 60)
+
+
+def overhead_seconds(record: dict) -> float | None:
+    """A recorded segment's seconds besides regeneration and training (None before segments timed it)."""
+    if "segment_seconds" not in record:
+        return None
+    return record["segment_seconds"] - record.get("regen_seconds", 0.0) - record["train_seconds_this_run"]
 
 
 def held_out(row: dict) -> dict:
@@ -223,6 +235,7 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
     summary = train(cfg, target, corpus, mesh=mesh)
     record = segment_record(spec, records, cfg, summary, run_dir, corpus, regen_seconds, digests_before,
                             resume_from, command or "python -m jetspec_jax.train.campaign " + shlex.join(sys.argv[1:]))
+    record["segment_seconds"] = round(time.perf_counter() - started, 1)  # the whole segment, export included
     append_record(spec.directory, record, run_dir)
     return record
 
