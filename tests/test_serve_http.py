@@ -349,9 +349,12 @@ def test_shutdown_under_load_finishes_or_cancels_everything(tiny):
             except openai.APIError as e:
                 return e.code or type(e).__name__
 
-        def submitted(n):
+        before = live.metrics()["requests_total"]  # the direct submits and the warm request above
+
+        def submitted(n):  # the engine holds n of the requests below (SIGTERM must come after they are in)
             deadline = time.monotonic() + 30
-            while live.metrics()["requests_total"] < 1 + n and time.monotonic() < deadline:
+            while live.metrics()["requests_total"] < before + n:
+                assert time.monotonic() < deadline, f"{n} requests were not all submitted within 30 s"
                 time.sleep(0.02)
 
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
