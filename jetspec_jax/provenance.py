@@ -49,17 +49,21 @@ def git_head() -> str | None:
         return None
 
 
-def write_json_atomic(path: str, payload: Any) -> None:
+def write_bytes_atomic(path: str, data: bytes) -> None:
     """Writes to a temporary file beside the target, then renames: readers never see half a file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would leave results unreadable to anyone else
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.remove(tmp)
         raise
+
+
+def write_json_atomic(path: str, payload: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(payload, indent=2) + "\n").encode("utf-8"))

@@ -156,8 +156,10 @@ def training_minutes(minutes: float, finish_within: float | None, elapsed_s: flo
     the export): as long as the last segment's took, else its compile time and a guess for the rest."""
     if finish_within is None:
         return minutes
-    kept_s = next((overhead_seconds(r) for r in reversed(records) if overhead_seconds(r)), None)
-    if kept_s is None:
+    timed = [s for s in map(overhead_seconds, records) if s]
+    if timed:
+        kept_s = timed[-1]
+    else:
         compile_s = next((r["compile_seconds"] for r in reversed(records) if r.get("compile_seconds")),
                          COMPILE_GUESS_S)
         kept_s = compile_s + AFTER_TRAINING_S

@@ -9,13 +9,12 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from typing import Any, Sequence
 
 import numpy as np
 
 from jetspec_jax.errors import DamagedFileError
-from jetspec_jax.provenance import write_json_atomic
+from jetspec_jax.provenance import write_bytes_atomic, write_json_atomic
 
 from .mixture import is_heldout
 
@@ -29,19 +28,6 @@ SHARD_PATTERN = "answers-{:05d}.npz"
 def regenerate_fix(out_dir: str) -> str:
     return (f"delete {out_dir} and regenerate (python -m jetspec_jax.train --stage regenerate --config ...), "
             "or point data.regen_dir elsewhere")
-
-
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Writes to a temporary file in the same directory, then renames it into place."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

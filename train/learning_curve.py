@@ -7,11 +7,12 @@ real tokens the campaign has trained, read from its segments.jsonl, written besi
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
-from jetspec_jax.provenance import write_json_atomic
+from jetspec_jax.provenance import write_bytes_atomic, write_json_atomic
 
 from .campaign import LOG_FILE, read_records
 
@@ -83,18 +84,16 @@ def plot(curves: dict[str, list[dict]], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    write_bytes_atomic(path, png.getvalue())
 
 
 def write_learning_curve(directory: str) -> dict[str, list[dict]]:
     curves = curve_points(read_records(directory))
     write_json_atomic(os.path.join(directory, "learning_curve.json"), curves)
-    path = os.path.join(directory, "learning_curve.md")
-    with open(path + ".tmp", "w") as f:
-        f.write(markdown(curves))
-    os.replace(path + ".tmp", path)
+    write_bytes_atomic(os.path.join(directory, "learning_curve.md"), markdown(curves).encode("utf-8"))
     plot(curves, os.path.join(directory, "learning_curve.png"))
     return curves
 

@@ -70,9 +70,13 @@ SPLITS = ("train", "heldout")
 KINDS = ("math", "code", "chat", "instruction", "long_context", "translation", "stem_qa")
 
 
+def hashed_share(key: str) -> float:
+    """A uniform number in [0, 1) fixed by `key`: a record falls in a share F of a set where it is below F."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") / 2**64
+
+
 def is_heldout(source: str, record_id: str) -> bool:
-    digest = hashlib.sha256(f"heldout:{source}:{record_id}".encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < HELDOUT_FRACTION
+    return hashed_share(f"heldout:{source}:{record_id}") < HELDOUT_FRACTION
 
 
 def read_jsonl(path: str, fix: str = DATA_FIX) -> Iterator[tuple[int, Any]]:

@@ -5,7 +5,6 @@ that a run can stop and resume at any point."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from jetspec_jax.tokens import encode_prompts, pad_token, stop_tokens
 
 from .config import DEFAULT_DATA_DIR, DataConfig
 from .corpus import Answers, CorpusWriter, done_jobs, read_manifest, read_prompt_ids, sha256_hex
-from .mixture import HELDOUT_FRACTION, is_heldout, load_prompts
+from .mixture import HELDOUT_FRACTION, hashed_share, is_heldout, load_prompts
 from .regen_engine import Job, StaticSettings, answer_key_ids, compile_buckets, prompt_rows_for, round_up_64, run_bucket
 
 MIN_BUCKET = 128  # prompt widths are powers of two from here: a handful of compiled shapes
@@ -74,12 +73,8 @@ def draw_prompts(prompts: Sequence[dict], fraction: float, resample: int) -> lis
     by a hash of its identity and the draw number, so successive draws cover different parts."""
     if fraction >= 1:
         return list(prompts)
-
-    def drawn(p: dict) -> bool:
-        digest = hashlib.sha256(f"draw{resample}:{p['source']}:{p['id']}".encode("utf-8")).digest()
-        return int.from_bytes(digest[:8], "little") / 2**64 < fraction
-
-    return [p for p in prompts if is_heldout(p["source"], p["id"]) or drawn(p)]
+    return [p for p in prompts
+            if is_heldout(p["source"], p["id"]) or hashed_share(f"draw{resample}:{p['source']}:{p['id']}") < fraction]
 
 
 def sample_key(prompt: dict, resample: int) -> str:
