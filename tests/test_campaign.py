@@ -5,12 +5,14 @@ the last segment's rate; every segment's record lands in the campaign's log."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_heldout import rewritten
 from test_train import TEST_SETTINGS, corpus, one_device, tiny_target  # noqa: F401  (fixtures)
 
 from jetspec_jax.errors import InputError
@@ -33,13 +35,13 @@ def start_head(tiny_target, corpus, tmp_path_factory):
     return str(out / "head")
 
 
-def write_campaign(folder, tiny_target, start_head, cycle: str) -> CampaignSpec:
+def write_campaign(folder, tiny_target, start_head, cycle: str, top: str = "") -> CampaignSpec:
     folder.mkdir(parents=True)
     # one bucket (a train step and a held-out program to compile a segment), long prompts whole in it
     settings = [s for s in TEST_SETTINGS if not s.startswith(("optim.", "data.length_buckets"))] + [
         "data.length_buckets=[512]", "run.eval_every=3", "run.checkpoint_every=2", f"run.target={tiny_target.source}"]
     (folder / "campaign.toml").write_text(f'config = "tiny-cpu"\noverrides = {json.dumps(settings)}\n'
-                                          f'heads = ["{start_head}"]\n[cycle]\n{cycle}\n')
+                                          f'heads = ["{start_head}"]\n{top}\n[cycle]\n{cycle}\n')
     return CampaignSpec.read(str(folder))
 
 
@@ -119,6 +121,22 @@ def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target
     assert second["tokens_this_run"] == sum(tokens[5:]) != sum(tokens[:second["steps_this_run"]])
 
 
+def test_segments_on_other_corpora_measure_the_pinned_heldout_answers(tiny_target, corpus, start_head, tmp_path):
+    """The first segment pins its corpus's held-out answers; the next, on a corpus that decoded them otherwise
+    and starting from the same heads, measures them as the first did."""
+    cycle = "steps_per_minute = 5\nwarmup_steps = 2\npeak_learning_rate = 3e-3\nfresh_samples = false"
+    spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle, 'heldout_answers = "heldout.npz"')
+    first = on_machine(spec, tmp_path, 1, corpus, minutes=1, max_steps=2)
+    pinned = tmp_path / "campaign" / "heldout.npz"
+    assert first["heldout"] == {"file": "heldout.npz", "sha256": hashlib.sha256(pinned.read_bytes()).hexdigest()}
+    other = rewritten(corpus, tmp_path / "other-corpus", tiny_target.cfg.vocab_size)
+    second = on_machine(spec, tmp_path, 2, other, minutes=1, max_steps=2)  # from campaign.toml's heads again
+    assert second["heldout"] == first["heldout"] and second["corpus"]["fingerprint"] != first["corpus"]["fingerprint"]
+    assert second["heads_before"] == first["heads_before"] and second["held_out_start"] == first["held_out_start"]
+    plan = json.loads((tmp_path / "campaign" / "segment-002" / "data_plan.json").read_text())
+    assert plan["heldout_answers"] == {"file": str(pinned), "sha256": first["heldout"]["sha256"]}
+
+
 def test_a_segment_draws_fresh_samples_for_training_prompts_only(tiny_target, start_head, tmp_path):
     spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, "steps_per_minute = 100")
     plan = segment_overrides(spec, [{"steps_this_run": 300, "train_seconds_this_run": 60}], 10, "OUT", [start_head])
@@ -158,8 +176,9 @@ def test_a_time_boxed_segment_trains_for_what_the_corpus_left():
 
 
 def test_a_bad_campaign_file_is_one_clear_error(tmp_path):
-    (tmp_path / "campaign.toml").write_text('config = "tiny-cpu"\nheads = []\n[cycle]\nmode = "continue"\nbogus = 1\n')
-    with pytest.raises(InputError, match=r"cycle.bogus is not a setting.*needs cycle.total_steps"):
+    (tmp_path / "campaign.toml").write_text('config = "tiny-cpu"\nheads = []\nheldout = "h.npz"\n'
+                                            '[cycle]\nmode = "continue"\nbogus = 1\n')
+    with pytest.raises(InputError, match=r"cycle.bogus is not a.*heldout is not a.*needs cycle.total_steps"):
         CampaignSpec.read(str(tmp_path))
     with pytest.raises(InputError, match="no campaign.toml"):
         CampaignSpec.read(str(tmp_path / "nowhere"))
@@ -175,6 +194,7 @@ def test_the_shipped_campaign_plans_its_next_segment():
     heads = [f"{REPO_ROOT}/{h}" for h in spec.heads]
     cfg = load_config(spec.config, [*spec.overrides, *segment_overrides(spec, records, 7, "OUT", heads)])
     assert cfg.data.resample == len(records) + 1 and cfg.data.regen_batch_size == 4096
+    assert cfg.data.heldout_answers == f"{folder}/heldout_answers.npz"
     last = records[-1]
     assert cfg.optim.total_steps == round(7 * 60 * last["steps_this_run"] / last["train_seconds_this_run"])
 
@@ -209,10 +229,11 @@ def test_the_learning_curve_reads_every_segment_and_names_the_kinds_that_stopped
     def numbers(tau, math, code):
         return {"head": {"loss": 3.0 / tau, "tau": tau, "tau_by_kind": {"math": math, "code": code}}}
 
-    records = [{"segment": 1, "campaign_tokens": 40e6, "held_out_start": numbers(2.0, 2.2, 1.8),
-                "held_out_end": numbers(2.2, 2.4, 2.0)},
-               {"segment": 2, "campaign_tokens": 90e6, "held_out_start": numbers(2.2, 2.4, 2.0),
-                "held_out_end": numbers(2.3, 2.41, 2.2)}]
+    pinned = {"file": "heldout.npz", "sha256": "a" * 64}
+    records = [{"segment": 1, "campaign_tokens": 40e6, "tokens_this_run": 40e6, "heldout": pinned,
+                "held_out_start": numbers(2.0, 2.2, 1.8), "held_out_end": numbers(2.2, 2.4, 2.0)},
+               {"segment": 2, "campaign_tokens": 90e6, "tokens_this_run": 50e6, "heldout": pinned,
+                "held_out_start": numbers(2.2, 2.4, 2.0), "held_out_end": numbers(2.3, 2.41, 2.2)}]
     with pytest.raises(InputError, match="no segment recorded yet"):
         write_learning_curve(str(tmp_path))
     (tmp_path / "segments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -220,7 +241,20 @@ def test_the_learning_curve_reads_every_segment_and_names_the_kinds_that_stopped
     assert [(p["segment"], p["tokens"], p["tau"]) for p in curves["head"]] == [(0, 0, 2.0), (1, 40e6, 2.2),
                                                                                (2, 90e6, 2.3)]
     table = (tmp_path / "learning_curve.md").read_text()
-    assert "| 2 | 90.0M | 1.304 | 2.30 | 2.20 | 2.41 |" in table and "(flat) on: math." in table
+    assert "| 2 | A | 90.0M | 1.304 | 2.30 | 2.20 | 2.41 |" in table and "(flat) on: math." in table
     assert json.loads((tmp_path / "learning_curve.json").read_text()) == curves
     assert (tmp_path / "learning_curve.json").stat().st_mode & 0o777 == 0o644  # results readable by others
     assert (tmp_path / "learning_curve.png").stat().st_size > 0
+
+    # a segment measured on other held-out answers (a campaign's own corpora before it pinned them): its
+    # start joins the curve, and its growth compares numbers of that set alone
+    records.append({"segment": 3, "campaign_tokens": 130e6, "tokens_this_run": 40e6,
+                    "corpus": {"fingerprint": "c3"}, "held_out_start": numbers(2.5, 2.6, 2.4),
+                    "held_out_end": numbers(2.6, 2.8, 2.41)})
+    (tmp_path / "segments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    curves = write_learning_curve(str(tmp_path))
+    assert [(p["segment"], p["tokens"], p["tau"]) for p in curves["head"]][2:] == [(2, 90e6, 2.3), (2, 90e6, 2.5),
+                                                                                   (3, 130e6, 2.6)]
+    table = (tmp_path / "learning_curve.md").read_text()
+    assert "| 2 | B | 90.0M | 1.200 | 2.50 |" in table and "| 3 | B | 130.0M |" in table
+    assert "grew +4.0% pooled; under 1% (flat) on: code." in table

@@ -7,7 +7,8 @@ last one brought back, every segment recorded in the campaign's folder.
 The folder holds `campaign.toml` (the training config and overrides, the heads it starts from, the cycle
 below) and, as segments run, `segments.jsonl` (one record each: command, commit, corpus, steps, tokens,
 seconds, held-out numbers per head and kind at its start and end, the heads' digests) and
-`segment-NNN/` (its metrics.jsonl and data_plan.json).
+`segment-NNN/` (its metrics.jsonl and data_plan.json). With `heldout_answers` set, the first segment pins its
+corpus's held-out answers in that file and every segment measures on them (train/heldout.py).
 
 Two ways to continue (campaign.toml's `cycle.mode`):
 - "restart": every segment starts from the exported heads of the last (bf16 weights, what a segment brings
@@ -41,6 +42,7 @@ from .config import REPO_ROOT, TrainConfig, load_config
 SPEC_FILE = "campaign.toml"
 LOG_FILE = "segments.jsonl"
 MODES = ("restart", "continue")
+TOP_LEVEL = ("config", "overrides", "heads", "heldout_answers", "cycle")
 COMPILE_GUESS_S = 180.0  # --finish-within's guess at compiling a segment's programs before one has been timed
 AFTER_TRAINING_S = 120.0  # kept by --finish-within for the held-out evaluations, the checkpoint and the export
 
@@ -62,6 +64,13 @@ class CampaignSpec:
     overrides: tuple[str, ...]
     heads: tuple[str, ...]  # exported heads the first segment starts from, one per trained head (repo-relative)
     cycle: Cycle
+    # a file in the folder pinning the held-out answers every segment measures on (train/heldout.py), written
+    # from the first corpus that finds it missing; "" = each segment's corpus's own
+    heldout_answers: str = ""
+
+    @property
+    def heldout_path(self) -> str | None:
+        return os.path.join(self.directory, self.heldout_answers) if self.heldout_answers else None
 
     @classmethod
     def read(cls, directory: str) -> "CampaignSpec":
@@ -78,6 +87,7 @@ class CampaignSpec:
         cycle = raw.get("cycle", {})
         problems = [f"cycle.{k} is not a setting (known: {', '.join(sorted(known))})" for k in cycle if k not in known]
         problems += [f"{k} is missing" for k in ("config", "heads") if k not in raw]
+        problems += [f"{k} is not a setting (known: {', '.join(TOP_LEVEL)})" for k in sorted(set(raw) - set(TOP_LEVEL))]
         if cycle.get("mode", "restart") not in MODES:
             problems.append(f"cycle.mode must be one of {MODES}, not {cycle['mode']!r}")
         if cycle.get("mode") == "continue" and cycle.get("total_steps", 0) < 1:
@@ -85,7 +95,7 @@ class CampaignSpec:
         if problems:
             raise InputError(f"{path}: " + "; ".join(problems))
         return cls(directory=directory, config=raw["config"], overrides=tuple(raw.get("overrides", [])),
-                   heads=tuple(raw["heads"]), cycle=Cycle(**cycle))
+                   heads=tuple(raw["heads"]), cycle=Cycle(**cycle), heldout_answers=raw.get("heldout_answers", ""))
 
 
 def read_records(directory: str) -> list[dict]:
@@ -120,6 +130,8 @@ def segment_overrides(spec: CampaignSpec, records: list[dict], minutes: float, o
     name = "campaign" if cycle.mode == "continue" else f"segment-{number:03d}"
     out = [f"run.out_dir={out_dir}", f"run.name={name}", f"run.max_minutes={minutes}",
            f"head.init_from={value(start_heads)}", f"run.export_head={value(exports)}"]
+    if spec.heldout_path:
+        out.append(f"data.heldout_answers={spec.heldout_path}")
     if cycle.mode == "continue":
         return out + [f"optim.learning_rate={cycle.peak_learning_rate}", f"optim.warmup_steps={cycle.warmup_steps}",
                       f"optim.total_steps={cycle.total_steps}"]
@@ -196,6 +208,7 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
     from jetspec_jax.target import load_target
 
     from .corpus import Corpus
+    from .heldout import write_pinned
     from .regenerate import load_regeneration_prompts, regenerate
     from .trainer import corpus_fingerprint, train
 
@@ -225,6 +238,8 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
             raise InputError(f"the corpus in {corpus_dir} is unfinished (data.regen_max_minutes): run again to "
                              "resume it")
     corpus = Corpus(corpus_dir)
+    if spec.heldout_path and not os.path.exists(spec.heldout_path):  # the campaign's first pinned corpus
+        write_pinned(spec.heldout_path, corpus, cfg.run.eval_answers_per_kind)
     if finish_within is not None:  # the schedule planned for the training time the corpus left
         minutes = training_minutes(minutes, finish_within, time.perf_counter() - started, records)
         planned = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads)]
@@ -257,6 +272,7 @@ def steps_on_corpus(directory: str, records: list[dict], fingerprint: str) -> in
 
 def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str, corpus, regen_seconds: float,
                    digests_before: list[str], resume_from: str | None, command: str) -> dict:
+    from .heldout import file_digest
     from .trainer import corpus_fingerprint
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -281,6 +297,8 @@ def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str,
                    "resample": corpus.manifest.get("settings", {}).get("resample", 0),
                    "regen_fraction": corpus.manifest.get("settings", {}).get("regen_fraction", 1.0),
                    "fingerprint": corpus_fingerprint(corpus), "start_step": cfg.data.start_step},
+        "heldout": ({"file": spec.heldout_answers, "sha256": file_digest(spec.heldout_path)}
+                    if spec.heldout_path else None),
         "heads_before": digests_before, "heads_after": heads_digests(exports) if all(exports) else None,
         "held_out_start": held_out(start_row) if start_row else None,
         "held_out_end": held_out(evals[-1]) if evals else None,

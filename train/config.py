@@ -48,6 +48,9 @@ class DataConfig:
     # training starts this many steps into the stream: a campaign segment on a corpus earlier segments trained
     # on goes on where they stopped instead of repeating their batches
     start_step: int = 0
+    # a file of pinned held-out answers (train/heldout.py) to measure on instead of the corpus's own, so
+    # held-out numbers compare across corpora (a campaign pins its first corpus's); "" = the corpus's
+    heldout_answers: str = ""
     max_prompt_tokens: int = 4096  # longer prompts are skipped (counted in the manifest)
     max_new_tokens: int = 512  # every answer may run this long
     max_answer_tokens: int = 512  # an unfinished answer goes on up to this where its slot's cache rows allow
@@ -148,15 +151,15 @@ class TrainConfig:
 
     def fingerprint(self) -> str:
         """Hash of the training settings that shape the model, its starting weights and the data order (not
-        the data's paths, nor how the corpus was produced: checkpoints record the corpus itself,
-        `corpus_fingerprint` in trainer.py)."""
+        the data's paths, the held-out answers measured on, nor how the corpus was produced: checkpoints
+        record the corpus itself, `corpus_fingerprint` in trainer.py)."""
         shape = {k: v for k, v in dataclasses.asdict(self).items() if k != "run"}
         if not self.head.init_from:  # runs from random weights keep the fingerprint they had before it existed
             del shape["head"]["init_from"]
         if not self.loss.tree_causal_weight:  # likewise runs without the tree-causal loss
             del shape["loss"]["tree_causal_weight"]
         shape["data"] = {k: v for k, v in shape["data"].items()
-                         if k not in ("data_dir", "regen_dir") and not k.startswith("regen_")}
+                         if k not in ("data_dir", "regen_dir", "heldout_answers") and not k.startswith("regen_")}
         if not self.data.resample:  # and runs on a first draw
             del shape["data"]["resample"]
         if not self.data.start_step:  # and runs from the stream's start

@@ -14,6 +14,7 @@ import grain
 import numpy as np
 
 from .config import Bucket
+from .heldout import answer_key, pick_heldout
 
 # The arrays a batch gives the model; a held-out batch also carries each row's kind ("" for padding rows).
 MODEL_INPUTS = ("tokens", "length", "prompt_len", "anchors", "anchor_valid")
@@ -166,17 +167,12 @@ def bucket_fill(lengths: np.ndarray, buckets: Sequence[Bucket]) -> float:
 
 
 def heldout_batches(answers, buckets: Sequence[Bucket], *, per_kind: int, seed: int) -> list[dict]:
-    """Fixed held-out batches: up to `per_kind` answers of every kind (a stable pick by hash of source, id
-    and sample, so it survives a corpus growing), in their buckets' shapes, padding rows filling the last
-    batch of each; the same anchors every time. Each batch holds all rows (every process builds them)."""
+    """Fixed held-out batches: up to `per_kind` answers of every kind (`heldout.pick_heldout`), in their
+    buckets' shapes, padding rows filling the last batch of each; the same anchors every time. Each batch
+    holds all rows (every process builds them)."""
     if per_kind <= 0 or not len(answers):
         return []
-    by_kind: dict[str, list[tuple[str, dict]]] = collections.defaultdict(list)
-    for i in range(len(answers)):
-        record = answers[i]
-        key = hashlib.sha256(f"{record['source']}:{record['id']}:{record['sample']}".encode()).hexdigest()
-        by_kind[record["kind"]].append((key, record))
-    chosen = [(key, r) for kind in sorted(by_kind) for key, r in sorted(by_kind[kind], key=lambda x: x[0])[:per_kind]]
+    chosen = [(answer_key(r), r) for r in pick_heldout(answers, per_kind)]
     lengths = np.asarray([len(r["prompt_ids"]) + len(r["completion_ids"]) for _, r in chosen])
     where = bucket_of(lengths, buckets)
     batches = []

@@ -19,22 +19,41 @@ from .campaign import LOG_FILE, read_records
 FLAT = 0.01  # a kind whose tau gained less than this share over the last segment has stopped growing
 
 
+def heldout_set(record: dict) -> str:
+    """What a segment's held-out numbers were measured on: its pinned file's digest, else its own corpus's
+    held-out answers (before a campaign pinned them, each corpus decoded its own)."""
+    pinned = record.get("heldout")
+    if pinned:
+        return f"pinned:{pinned['sha256'][:16]}"
+    corpus = record.get("corpus", {})
+    return f"corpus:{corpus.get('fingerprint') or corpus.get('dir')}:{record['segment']}"
+
+
 def curve_points(records: list[dict]) -> dict[str, list[dict]]:
-    """Per head: the first segment's start (0 tokens), then every segment's end at the campaign's tokens."""
+    """Per head: the first segment's start (0 tokens), then every segment's end at the campaign's tokens. A
+    segment measured on other held-out answers than the one before also gives its start, so that each step of
+    the curve compares numbers of one held-out set (`heldout` names it)."""
     if not records:
         raise InputError(f"no segment recorded yet ({LOG_FILE} is empty or missing): run a segment first")
-    first = records[0].get("held_out_start") or {}
-    curves = {head: [{"segment": 0, "tokens": 0, **numbers}] for head, numbers in first.items()}
+    curves: dict[str, list[dict]] = {}
+    before = None  # the held-out set of the last point
     for record in records:
+        held = heldout_set(record)
+        if held != before:
+            tokens_before = record["campaign_tokens"] - record["tokens_this_run"] if "tokens_this_run" in record else 0
+            for head, numbers in (record.get("held_out_start") or {}).items():
+                curves.setdefault(head, []).append({"segment": record["segment"] - 1, "tokens": tokens_before,
+                                                    "heldout": held, **numbers})
         for head, numbers in (record.get("held_out_end") or {}).items():
             curves.setdefault(head, []).append({"segment": record["segment"], "tokens": record["campaign_tokens"],
-                                                **numbers})
+                                                "heldout": held, **numbers})
+        before = held
     return curves
 
 
 def growth(points: list[dict]) -> dict[str, float]:
-    """Each kind's relative tau gain over the last segment (and "all" for the pooled tau)."""
-    if len(points) < 2:
+    """Each kind's relative tau gain over the last segment (and "all" for the pooled tau), on its held-out set."""
+    if len(points) < 2 or points[-2]["heldout"] != points[-1]["heldout"]:
         return {}
     before, after = points[-2], points[-1]
     gains = {"all": after["tau"] / before["tau"] - 1}
@@ -44,19 +63,41 @@ def growth(points: list[dict]) -> dict[str, float]:
     return gains
 
 
+def set_letters(points: list[dict]) -> dict[str, str]:
+    """A letter per held-out set, in the order the curve meets them."""
+    letters: dict[str, str] = {}
+    for p in points:
+        letters.setdefault(p["heldout"], chr(ord("A") + len(letters)))
+    return letters
+
+
+def runs_of_one_set(points: list[dict]) -> list[list[dict]]:
+    runs: list[list[dict]] = []
+    for p in points:
+        if runs and runs[-1][-1]["heldout"] == p["heldout"]:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
 def markdown(curves: dict[str, list[dict]]) -> str:
     lines = ["# Learning curve", "",
              "Held-out, teacher-forced, per head: loss, chain tau and tau per kind of prompt against the real",
-             "tokens the campaign has trained (segment 0: the heads it started from). Written by `python -m "
+             "tokens the campaign has trained (segment 0: the heads it started from), after each segment. Each",
+             "number is measured on one set of held-out answers (column \"set\"); where the set changes, the",
+             "segment's start is listed too, so compare rows of one set only. Written by `python -m",
              "jetspec_jax.train.learning_curve`.", ""]
     for head, points in curves.items():
         kinds = sorted({k for p in points for k in p.get("tau_by_kind", {})})
-        lines += [f"## {head}", "", "| segment | real tokens | loss | tau | " + " | ".join(kinds) + " |",
-                  "|---" * (4 + len(kinds)) + "|"]
+        letters = set_letters(points)
+        lines += [f"## {head}", "", "| segment | set | real tokens | loss | tau | " + " | ".join(kinds) + " |",
+                  "|---" * (5 + len(kinds)) + "|"]
         for p in points:
             by_kind = p.get("tau_by_kind", {})
-            lines.append(f"| {p['segment']} | {p['tokens'] / 1e6:.1f}M | {p['loss']:.3f} | {p['tau']:.2f} | "
-                         + " | ".join(f"{by_kind[k]:.2f}" if k in by_kind else "" for k in kinds) + " |")
+            lines.append(f"| {p['segment']} | {letters[p['heldout']]} | {p['tokens'] / 1e6:.1f}M | {p['loss']:.3f} | "
+                         f"{p['tau']:.2f} | " + " | ".join(f"{by_kind[k]:.2f}" if k in by_kind else "" for k in kinds)
+                         + " |")
         gains = growth(points)
         if gains:
             flat = sorted(k for k, g in gains.items() if k != "all" and g < FLAT)
@@ -68,6 +109,7 @@ def markdown(curves: dict[str, list[dict]]) -> str:
 
 
 def plot(curves: dict[str, list[dict]], path: str) -> None:
+    """tau per kind against tokens; a line joins points of one held-out set only."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,11 +117,14 @@ def plot(curves: dict[str, list[dict]], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
     for ax, (head, points) in zip(axes.flat, curves.items()):
-        tokens = [p["tokens"] / 1e6 for p in points]
-        for i, kind in enumerate(sorted({k for p in points for k in p.get("tau_by_kind", {})})):
-            ax.plot(tokens, [p.get("tau_by_kind", {}).get(kind) for p in points], marker="o", color=f"C{i}",
-                    label=kind)
-        ax.plot(tokens, [p["tau"] for p in points], marker="s", color="black", linewidth=2.5, label="all")
+        kinds = sorted({k for p in points for k in p.get("tau_by_kind", {})})
+        for n, run in enumerate(runs_of_one_set(points)):
+            tokens = [p["tokens"] / 1e6 for p in run]
+            for i, kind in enumerate(kinds):
+                ax.plot(tokens, [p.get("tau_by_kind", {}).get(kind) for p in run], marker="o", color=f"C{i}",
+                        label=kind if n == 0 else None)
+            ax.plot(tokens, [p["tau"] for p in run], marker="s", color="black", linewidth=2.5,
+                    label="all" if n == 0 else None)
         ax.set(title=head, xlabel="real tokens trained in the campaign (M)", ylabel="held-out tau")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

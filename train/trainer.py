@@ -39,6 +39,7 @@ from jetspec_jax.target import Target
 from .config import Bucket, LossConfig, OptimConfig, TrainConfig, check_data_parallel
 from .corpus import Corpus
 from .data import MODEL_INPUTS, batch_iterator, heldout_batches, make_rows, training_stream
+from .heldout import file_digest, read_pinned
 from .loss import draft_loss, per_row_stats, pooled_stats
 
 
@@ -585,8 +586,8 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     buckets = cfg.buckets()
     stream = training_stream(corpus.answers("train"), buckets, mixture=cfg.data.mixture, seed=cfg.run.seed,
                              process_index=jax.process_index(), process_count=jax.process_count())
-    eval_batches = heldout_batches(corpus.answers("heldout"), buckets, per_kind=cfg.run.eval_answers_per_kind,
-                                   seed=cfg.run.seed)
+    heldout = read_pinned(cfg.data.heldout_answers, corpus) if cfg.data.heldout_answers else corpus.answers("heldout")
+    eval_batches = heldout_batches(heldout, buckets, per_kind=cfg.run.eval_answers_per_kind, seed=cfg.run.seed)
     trainer = Trainer(cfg, target, mesh)
     ckpt = Checkpoints(os.path.join(run_dir, "checkpoints"), cfg, target.cfg, corpus_fingerprint(corpus))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -609,6 +610,8 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     write_json_atomic(os.path.join(run_dir, "data_plan.json"), {
         "corpus": corpus_fingerprint(corpus), "corpus_dir": os.path.abspath(corpus.out_dir),
         "buckets": [b._asdict() for b in buckets], **stream.plan,
+        **({"heldout_answers": {"file": cfg.data.heldout_answers, "sha256": file_digest(cfg.data.heldout_answers)}}
+           if cfg.data.heldout_answers else {}),
         "heldout_answers_per_kind": dict(collections.Counter(
             kind for b in eval_batches for kind in b["kind"].tolist() if kind))})
     # a slice keeps each step's global index, so its anchors are those the whole stream would draw there
