@@ -258,3 +258,9 @@ def test_the_learning_curve_reads_every_segment_and_names_the_kinds_that_stopped
     table = (tmp_path / "learning_curve.md").read_text()
     assert "| 2 | B | 90.0M | 1.200 | 2.50 |" in table and "| 3 | B | 130.0M |" in table
     assert "grew +4.0% pooled; under 1% (flat) on: code." in table
+    # the next segment on that same corpus measures the same answers: no start point of its own
+    records.append({"segment": 4, "campaign_tokens": 170e6, "tokens_this_run": 40e6,
+                    "corpus": {"fingerprint": "c3"}, "held_out_start": numbers(2.6, 2.8, 2.41),
+                    "held_out_end": numbers(2.7, 2.9, 2.5)})
+    (tmp_path / "segments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [p["segment"] for p in write_learning_curve(str(tmp_path))["head"]] == [0, 1, 2, 2, 3, 4]

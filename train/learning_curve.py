@@ -20,13 +20,14 @@ FLAT = 0.01  # a kind whose tau gained less than this share over the last segmen
 
 
 def heldout_set(record: dict) -> str:
-    """What a segment's held-out numbers were measured on: its pinned file's digest, else its own corpus's
-    held-out answers (before a campaign pinned them, each corpus decoded its own)."""
+    """What a segment's held-out numbers were measured on: its pinned file's digest, else its corpus's own
+    held-out answers (before a campaign pinned them, each corpus decoded its own; records before corpus
+    fingerprints count as a set each)."""
     pinned = record.get("heldout")
     if pinned:
         return f"pinned:{pinned['sha256'][:16]}"
     corpus = record.get("corpus", {})
-    return f"corpus:{corpus.get('fingerprint') or corpus.get('dir')}:{record['segment']}"
+    return f"corpus:{corpus['fingerprint']}" if corpus.get("fingerprint") else f"segment:{record['segment']}"
 
 
 def curve_points(records: list[dict]) -> dict[str, list[dict]]:
