@@ -35,7 +35,7 @@ import time
 import tomllib
 
 from jetspec_jax.errors import DamagedFileError, InputError, OneLineErrorParser, run_command
-from jetspec_jax.provenance import git_head, write_json_atomic
+from jetspec_jax.provenance import file_sha256, git_head, write_json_atomic
 
 from .config import REPO_ROOT, TrainConfig, load_config
 
@@ -272,7 +272,6 @@ def steps_on_corpus(directory: str, records: list[dict], fingerprint: str) -> in
 
 def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str, corpus, regen_seconds: float,
                    digests_before: list[str], resume_from: str | None, command: str) -> dict:
-    from .heldout import file_digest
     from .trainer import corpus_fingerprint
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -297,7 +296,7 @@ def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str,
                    "resample": corpus.manifest.get("settings", {}).get("resample", 0),
                    "regen_fraction": corpus.manifest.get("settings", {}).get("regen_fraction", 1.0),
                    "fingerprint": corpus_fingerprint(corpus), "start_step": cfg.data.start_step},
-        "heldout": ({"file": spec.heldout_answers, "sha256": file_digest(spec.heldout_path)}
+        "heldout": ({"file": spec.heldout_answers, "sha256": file_sha256(spec.heldout_path)}
                     if spec.heldout_path else None),
         "heads_before": digests_before, "heads_after": heads_digests(exports) if all(exports) else None,
         "held_out_start": held_out(start_row) if start_row else None,

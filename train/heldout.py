@@ -63,11 +63,6 @@ def write_pinned(path: str, corpus, per_kind: int) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def file_digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def read_pinned(path: str, corpus) -> list[dict]:
     """The pinned answers as corpus records: completions from the file, prompts from `corpus`, which must
     hold every pinned prompt unchanged and come from the same target."""

@@ -8,6 +8,7 @@ real tokens the campaign has trained, read from its segments.jsonl, written besi
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import sys
 
@@ -41,9 +42,9 @@ def curve_points(records: list[dict]) -> dict[str, list[dict]]:
     for record in records:
         held = heldout_set(record)
         if held != before:
-            tokens_before = record["campaign_tokens"] - record["tokens_this_run"] if "tokens_this_run" in record else 0
             for head, numbers in (record.get("held_out_start") or {}).items():
-                curves.setdefault(head, []).append({"segment": record["segment"] - 1, "tokens": tokens_before,
+                curves.setdefault(head, []).append({"segment": record["segment"] - 1,
+                                                    "tokens": record["campaign_tokens"] - record["tokens_this_run"],
                                                     "heldout": held, **numbers})
         for head, numbers in (record.get("held_out_end") or {}).items():
             curves.setdefault(head, []).append({"segment": record["segment"], "tokens": record["campaign_tokens"],
@@ -70,16 +71,6 @@ def set_letters(points: list[dict]) -> dict[str, str]:
     for p in points:
         letters.setdefault(p["heldout"], chr(ord("A") + len(letters)))
     return letters
-
-
-def runs_of_one_set(points: list[dict]) -> list[list[dict]]:
-    runs: list[list[dict]] = []
-    for p in points:
-        if runs and runs[-1][-1]["heldout"] == p["heldout"]:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-    return runs
 
 
 def markdown(curves: dict[str, list[dict]]) -> str:
@@ -119,7 +110,8 @@ def plot(curves: dict[str, list[dict]], path: str) -> None:
     fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
     for ax, (head, points) in zip(axes.flat, curves.items()):
         kinds = sorted({k for p in points for k in p.get("tau_by_kind", {})})
-        for n, run in enumerate(runs_of_one_set(points)):
+        for n, (_, run) in enumerate(itertools.groupby(points, key=lambda p: p["heldout"])):
+            run = list(run)
             tokens = [p["tokens"] / 1e6 for p in run]
             for i, kind in enumerate(kinds):
                 ax.plot(tokens, [p.get("tau_by_kind", {}).get(kind) for p in run], marker="o", color=f"C{i}",

@@ -33,13 +33,13 @@ from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, save_head, verify_head_files
 from jetspec_jax.models import draft_head, qwen3
 from jetspec_jax.models.params import init_params
-from jetspec_jax.provenance import write_json_atomic
+from jetspec_jax.provenance import file_sha256, write_json_atomic
 from jetspec_jax.target import Target
 
 from .config import Bucket, LossConfig, OptimConfig, TrainConfig, check_data_parallel
 from .corpus import Corpus
 from .data import MODEL_INPUTS, batch_iterator, heldout_batches, make_rows, training_stream
-from .heldout import file_digest, read_pinned
+from .heldout import read_pinned
 from .loss import draft_loss, per_row_stats, pooled_stats
 
 
@@ -610,7 +610,7 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     write_json_atomic(os.path.join(run_dir, "data_plan.json"), {
         "corpus": corpus_fingerprint(corpus), "corpus_dir": os.path.abspath(corpus.out_dir),
         "buckets": [b._asdict() for b in buckets], **stream.plan,
-        **({"heldout_answers": {"file": cfg.data.heldout_answers, "sha256": file_digest(cfg.data.heldout_answers)}}
+        **({"heldout_answers": {"file": cfg.data.heldout_answers, "sha256": file_sha256(cfg.data.heldout_answers)}}
            if cfg.data.heldout_answers else {}),
         "heldout_answers_per_kind": dict(collections.Counter(
             kind for b in eval_batches for kind in b["kind"].tolist() if kind))})

@@ -26,6 +26,7 @@ from jetspec_jax.loading.assemble import CheckpointMismatch, Rule, assemble_para
 from jetspec_jax.loading.hf_dir import iter_safetensors
 from jetspec_jax.models import draft_head
 from jetspec_jax.models.params import flatten_specs, path_to_str
+from jetspec_jax.provenance import file_sha256
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "head.safetensors"
@@ -164,14 +165,6 @@ def read_head_record(path: str) -> HeadRecord:
         raise DamagedFileError(missing[0], f"missing ({CONFIG_FILE} lists {len(shards)} weight shards; "
                                f"missing: {', '.join(os.path.basename(m) for m in missing)})", WEIGHTS_FIX)
     return record
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def check_head_target(record: HeadRecord, target) -> None:
