@@ -91,7 +91,8 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
                      system_prompt: str | None = None, max_cache_len: int | None = None,
                      attention: str = "auto", prompt_bucket: int = PROMPT_BUCKET,
                      tree_temperature: float = 1.0, gemm_backend: str = "xla", candidate_budget: int | None = None,
-                     conditioned_width: int | None = None, draft_attention: str = "auto") -> GenerateCall:
+                     conditioned_width: int | None = None, draft_attention: str = "auto",
+                     kv_page_size: int | None = None) -> GenerateCall:
     """The device call `generate` makes for these prompts and options (see `generate`), not run: what
     `compile_ahead` compiles. Raises on bad settings as `generate` does."""
     if method != "ar" and method not in METHODS:
@@ -102,7 +103,8 @@ def prepare_generate(prompts: Sequence[str] | str, target: Target | None = None,
     tokens, lengths = pad_prompts(prompt_ids, pad_token(target), prompt_bucket)
     gen = GenerationConfig(max_new_tokens=max_new_tokens,
                            sampling=SamplingConfig(temperature, top_k, top_p),
-                           eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target))
+                           eos_token_ids=stop_tokens(target), pad_token_id=pad_token(target),
+                           kv_page_size=kv_page_size)
     keys = request_keys([seed + i for i in range(len(prompts))])
     if method == "ar":
         cache_len = plan_cache_len(tokens.shape[1], int(lengths.max()), max_new_tokens,
@@ -142,7 +144,8 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, **optio
     `candidate_budget` and `conditioned_width` are jetspec-tc's (all SpecConfig). `draft_attention` is
     the head's attention: "xla" (a dense mask over the head's context buffer), "pallas" (the tree
     kernel on GPU, reading each sequence's own rows; jetspec-tc's second pass too) or "auto" (pallas on
-    GPU, xla elsewhere).
+    GPU, xla elsewhere). `kv_page_size` keeps the target's cache in pages of that many rows (a power of
+    two >= 16), the layout the server's shared pool uses; None keeps one dense buffer per sequence.
     """
     call = prepare_generate(prompts, target, **options)
     out, compile_s, run_s = compiled_call(call.fn, call.args, call.static)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax.kv_cache import check_page_size
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import RowSampling, SamplingConfig, row_keys, select_tokens
 
@@ -24,10 +25,13 @@ class GenerationConfig:
     sampling: SamplingConfig = SamplingConfig()
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    kv_page_size: int | None = None  # the target cache's layout: dense, or paged with pages of this many rows
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.kv_page_size is not None:
+            check_page_size(self.kv_page_size)
 
 
 class GenerationOutput(NamedTuple):
@@ -44,11 +48,11 @@ def is_stop_token(tokens: jax.Array, eos_token_ids: tuple[int, ...]) -> jax.Arra
 
 
 def prefill(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array, cfg: qwen3.Config,
-            cache_len: int, *, tap_layers: tuple[int, ...] = ()):
+            cache_len: int, *, tap_layers: tuple[int, ...] = (), page_size: int | None = None):
     """Runs the right-padded prompts through the target; returns (last-token logits (B, V), taps,
-    cache with lengths = prompt_lens)."""
+    cache with lengths = prompt_lens), dense or with `page_size` paged."""
     b, p = prompt_tokens.shape
-    cache = qwen3.new_cache(cfg, b, cache_len, params["embed"].dtype)
+    cache = qwen3.new_cache(cfg, b, cache_len, params["embed"].dtype, page_size)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, taps, cache = qwen3.forward(params, prompt_tokens, positions, cache, cfg,
                                         tap_layers=tap_layers, logits_indices=(prompt_lens - 1)[:, None])
@@ -66,7 +70,7 @@ def generate_tokens(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Arra
     b = prompt_tokens.shape[0]
     params = qwen3.fuse_for_decode(params)
     keys, rows = row_keys(keys, b), RowSampling.uniform(gen.sampling, b)
-    logits, _, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len)
+    logits, _, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len, page_size=gen.kv_page_size)
     first = select_tokens(logits, keys, rows, jnp.zeros((b,), jnp.int32))
     out = jnp.full((b, gen.max_new_tokens), gen.pad_token_id, jnp.int32).at[:, 0].set(first)
     done = is_stop_token(first, gen.eos_token_ids) | (gen.max_new_tokens <= 1)

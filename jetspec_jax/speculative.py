@@ -335,7 +335,8 @@ def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt
     params = qwen3.fuse_for_decode(params)
     dtype = params["embed"].dtype
 
-    logits, taps, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len, tap_layers=taps_wanted)
+    logits, taps, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len, tap_layers=taps_wanted,
+                                  page_size=gen.kv_page_size)
     state = drafter.init_state(drafter_params, b, cache_len, dtype)
     if taps_wanted:
         state = drafter.observe(drafter_params, state, taps, prompt_lens)

@@ -71,5 +71,7 @@ def compact_cache(cache: KVCache, path: jax.Array, keep: jax.Array, implementati
     slots cache.lengths .. and commits `keep` (B,) of them (root + accepted drafts).
     implementation: kernels.cache_compact.IMPLEMENTATIONS (auto: one Pallas kernel on GPU)."""
     layers = len(cache.k)
-    moved = compact_rows(cache.k + cache.v, cache.lengths, path, implementation=implementation)
-    return KVCache(moved[:layers], moved[layers:], cache.lengths + keep.astype(jnp.int32))
+    sources = cache.flat_rows(cache.lengths[:, None] + path)
+    targets = cache.flat_rows(cache.lengths[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)[None])
+    moved = compact_rows(cache.k + cache.v, sources, targets, implementation=implementation)
+    return cache._replace(k=moved[:layers], v=moved[layers:], lengths=cache.lengths + keep.astype(jnp.int32))

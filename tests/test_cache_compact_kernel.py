@@ -21,16 +21,47 @@ CASES = [  # buffer shape (B, S, Hkv, D), lengths, path rows (nondecreasing, as 
 ]
 
 
+def dense_rows(shape, lengths, path):
+    """The (sources, targets) of moving rows lengths + path to lengths + 0.. in a dense (B, S, ...) buffer."""
+    b, s = shape[:2]
+    base = jnp.arange(b, dtype=jnp.int32)[:, None] * s + lengths[:, None]
+    return base + path, base + jnp.arange(path.shape[1], dtype=jnp.int32)[None]
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape, lengths, path", CASES)
 def test_kernel_equals_reference(shape, lengths, path, dtype):
     rng = np.random.default_rng(len(path[0]))
     buffers = tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(5))
     lengths, path = jnp.asarray(lengths, jnp.int32), jnp.asarray(path, jnp.int32)
-    want = compact_rows(buffers, lengths, path, implementation="xla")
-    got = compact_rows(buffers, lengths, path, implementation="pallas_interpret")
-    for w, g in zip(want, got):
+    sources, targets = dense_rows(shape, lengths, path)
+    want = compact_rows(buffers, sources, targets, implementation="xla")
+    got = compact_rows(buffers, sources, targets, implementation="pallas_interpret")
+    for w, g, x in zip(want, got, buffers):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        for i in range(shape[0]):  # the reference itself: the path's rows, in order, from lengths on
+            moved = np.asarray(x)[i, np.asarray(lengths[i] + path[i])]
+            np.testing.assert_array_equal(np.asarray(w)[i, int(lengths[i]):int(lengths[i]) + path.shape[1]], moved)
+
+
+def test_paged_rows_move_between_pages():
+    """A paged pool: sequence rows map to pool pages through a table, and a path that crosses a page
+    boundary lands in the right page (kv_cache.flat_rows gives the indices)."""
+    from jetspec_jax.kv_cache import KVCache
+
+    rng = np.random.default_rng(3)
+    pool = jnp.asarray(rng.standard_normal((7, 16, 2, 8)), jnp.float32)
+    cache = KVCache(k=(pool,), v=(pool,), lengths=jnp.asarray([13, 30], jnp.int32),
+                    pages=jnp.asarray([[5, 2, 6], [1, 4, 3]], jnp.int32))
+    path = jnp.asarray([[0, 2, 5, 6], [0, 1, 1, 1]], jnp.int32)
+    rows = cache.lengths[:, None] + path
+    sources = cache.flat_rows(rows)
+    targets = cache.flat_rows(cache.lengths[:, None] + jnp.arange(4, dtype=jnp.int32)[None])
+    for impl in ("xla", "pallas_interpret"):
+        (got,) = compact_rows((pool,), sources, targets, implementation=impl)
+        view = KVCache(k=(got,), v=(got,), lengths=cache.lengths, pages=cache.pages)
+        np.testing.assert_array_equal(np.asarray(view.gather(got, cache.lengths[:, None] + jnp.arange(4)[None])),
+                                      np.asarray(cache.gather(pool, rows)))
 
 
 def test_sources_are_read_before_targets_are_written():
@@ -38,14 +69,14 @@ def test_sources_are_read_before_targets_are_written():
     first would move the wrong values into row 1. (On the GPU that order across warps is the barrier's,
     which the lowering test checks.)"""
     buffer = jnp.arange(8, dtype=jnp.float32).reshape(1, 8, 1, 1) * jnp.ones((1, 1, 1, 4))
-    (got,) = compact_rows((buffer,), jnp.asarray([0], jnp.int32), jnp.asarray([[0, 2, 3]], jnp.int32),
+    (got,) = compact_rows((buffer,), jnp.asarray([[0, 2, 3]], jnp.int32), jnp.asarray([[0, 1, 2]], jnp.int32),
                           implementation="pallas_interpret")
     np.testing.assert_array_equal(np.asarray(got[0, :4, 0, 0]), [0, 2, 3, 3])
 
 
 def test_unknown_implementation_is_named():
     with pytest.raises(ValueError, match="cache compaction 'triton'"):
-        compact_rows((jnp.zeros((1, 4, 1, 2)),), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+        compact_rows((jnp.zeros((1, 4, 1, 2)),), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                      implementation="triton")
 
 
@@ -64,7 +95,7 @@ def test_speculative_generate_with_the_kernel_equals_ar(tiny_qwen3):
 def test_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
     b, s, hkv, d, rows = shape
     args = (tuple(jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16) for _ in range(6)),
-            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, rows), jnp.int32))
+            jax.ShapeDtypeStruct((b, rows), jnp.int32), jax.ShapeDtypeStruct((b, rows), jnp.int32))
     modules = lowered_triton_modules(monkeypatch, lambda: compact_rows_pallas.trace(*args).lower(
         lowering_platforms=("cuda",)))
     for module in modules:

@@ -212,8 +212,10 @@ def drafting_greedily(engine: Engine, target, depth: int = 4) -> Engine:
     """The engine with the target's own greedy chain for a drafter (a head that drafts well): at T>0 its
     drafts are often the target's samples, so acceptance really runs."""
     engine.drafter, engine.head_params = TargetGreedyDrafter(target.cfg, depth, sharpness=1.0), None
+    paged = engine.pages is not None
     engine.slots = device.new_slots(target.cfg, engine.drafter, None, engine.num_slots, engine.max_len,
-                                    target.params["embed"].dtype)
+                                    target.params["embed"].dtype, engine.pages.page_size if paged else None,
+                                    engine.pages.num_pages if paged else None)
     engine.stats.history = []
     return engine
 

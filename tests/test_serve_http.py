@@ -635,6 +635,11 @@ def test_cli_bad_settings_are_one_error_line(capsys):
     assert err.startswith("error:") and err.count("\n") == 1
     assert all(flag in err for flag in ("--slots", "--port", "--max-body-bytes", "--header-timeout",
                                         "--prefill-chunk must be a multiple of 64")), err
+    assert main(["--kv-page-size", "48", "--kv-pages", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-page-size must be a power of two >= 16, got 48" in err and "--kv-pages must be >= 2" in err, err
+    assert main(["--kv-pages", "100"]) == 2
+    assert "--kv-pages sizes a paged cache: give --kv-page-size too" in capsys.readouterr().err
 
 
 def test_cli_api_key_from_the_flag_or_the_environment(monkeypatch):

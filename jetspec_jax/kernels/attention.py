@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.tree_attention import default_implementation, pack_tree_mask, tree_attention
+from jetspec_jax.kv_cache import sequence_rows
 
 # "auto": the kernels on GPU (`tree_attention` picks Triton or Mosaic per call), "xla" elsewhere;
 # "xla": a dense (T, S) mask; "cudnn": that mask through cuDNN (GPU, bf16/f16); "pallas" / "mosaic"
@@ -62,18 +63,25 @@ def cache_visibility(lengths: jax.Array, block_len: int, max_len: int, block_mas
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    lengths: jax.Array, visibility: CacheVisibility) -> jax.Array:
+                    lengths: jax.Array, visibility: CacheVisibility, pages: jax.Array | None = None) -> jax.Array:
     """q (B, T, H, hd) with the block's own k/v (B, T, Hkv, hd), against k_cache/v_cache (B, S, Hkv, hd)
-    with the block already written at rows lengths..lengths+T-1 ("prefill" reads only the block's)."""
+    with the block already written at rows lengths..lengths+T-1 ("prefill" reads only the block's).
+    With `pages` (B, pages_per_sequence) the cache is a paged pool (pages, page_size, Hkv, hd)
+    (kv_cache.KVCache): the tree kernels read each sequence's pages in place, the dense-mask paths
+    gather them into rows first."""
     implementation = visibility.implementation
     if implementation == "prefill":
         return causal_self_attention(q, k, v)
+    if pages is not None and implementation in ("xla", "cudnn"):
+        k_cache, v_cache = sequence_rows(k_cache, pages), sequence_rows(v_cache, pages)
+        pages = None
     if implementation == "xla":
         return attention_scores_softmax(q, k_cache, v_cache, visibility.dense)
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=visibility.dense[:, None],
                                             implementation="cudnn")
-    return tree_attention(q, k_cache, v_cache, lengths, visibility.tree_words, implementation=implementation)
+    return tree_attention(q, k_cache, v_cache, lengths, visibility.tree_words, implementation=implementation,
+                          pages=pages)
 
 
 def block_attention_mask(lengths: jax.Array, block_len: int, max_len: int,

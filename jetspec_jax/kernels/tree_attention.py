@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.tree_attention_mosaic import MosaicTreeAttentionTuning, tree_attention_mosaic_splits
 from jetspec_jax.kernels.tree_attention_mosaic import unsupported_reason as mosaic_unsupported_reason
+from jetspec_jax.kv_cache import sequence_rows
 
 WORD_BITS = 32
 
@@ -151,13 +152,19 @@ def _online_softmax_step(q, k, v, visible, carry, scale):
 
 def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, num_nodes: int, num_words: int,
                            prefix_splits: int, tree_split: int, split_rows: int | None, block_k: int,
-                           tree_block_k: int, scale: float, merge_in_kernel: bool, interpret: bool):
+                           tree_block_k: int, scale: float, merge_in_kernel: bool, interpret: bool,
+                           page_size: int | None = None):
     """Grid (batch, kv head, row block, split). A row is one (query head of the group, node) pair, so
     the group's heads share every K/V load. Splits < prefix_splits cover prefix rows
     [split * split_rows, ...) up to the prefix length; split `tree_split` covers the tree nodes (the
     one after the prefix splits, or the last of them); split_rows None: each split's share of this
     sequence's length, in whole blocks. refs: the outputs (o, lse), or with
-    `merge_in_kernel` the arrival counters (input), final o, partial o and lse, counters (output)."""
+    `merge_in_kernel` the arrival counters (input), final o, partial o and lse, counters (output).
+    With `page_size`, k/v are a paged pool (pages, page_size, D) and refs start with the sequence's
+    page table row: a prefix block (block_k divides page_size) is a slice of one page, a tree chunk
+    gathers its rows page by page."""
+    if page_size is not None:
+        pages_ref, *refs = refs
     b, split = pl.program_id(0), pl.program_id(3)
     block_rows, d = q_ref.shape
     length = lengths_ref[b]
@@ -167,15 +174,29 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
     init = (jnp.zeros((block_rows, d), jnp.float32), jnp.full((block_rows,), -jnp.inf, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32))
 
+    def prefix_rows_of(ref, start):
+        if page_size is None:
+            return ref.at[pl.ds(start, block_k), :]
+        return ref.at[pages_ref[start // page_size], pl.ds(start % page_size, block_k), :]
+
     def prefix_block(i, carry, masked: bool):
         start = split * split_rows + i * block_k
         if not masked:  # a whole block inside the prefix: plain loads, no mask
-            return _online_softmax_step(q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :], None,
-                                        carry, scale)
+            return _online_softmax_step(q, prefix_rows_of(k_ref, start)[...], prefix_rows_of(v_ref, start)[...],
+                                        None, carry, scale)
         inside = start + jnp.arange(block_k) < jnp.minimum(length, (split + 1) * split_rows)
-        k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=inside[:, None], other=0.0)
+        k = plgpu.load(prefix_rows_of(k_ref, start), mask=inside[:, None], other=0.0)
+        v = plgpu.load(prefix_rows_of(v_ref, start), mask=inside[:, None], other=0.0)
         return _online_softmax_step(q, k, v, inside[None, :], carry, scale)
+
+    def tree_rows_of(ref, rows, inside):
+        if page_size is None:
+            return plgpu.load(ref.at[pl.ds(rows, tree_block_k), :], mask=inside[:, None], other=0.0)
+        at = rows + key
+        page = plgpu.load(pages_ref.at[jnp.minimum(at // page_size, pages_ref.shape[0] - 1)], mask=inside, other=0)
+        cols = jnp.arange(d)
+        return plgpu.load(ref.at[page[:, None], (at % page_size)[:, None], cols[None, :]], mask=inside[:, None],
+                          other=0.0)
 
     words_per_step = tree_block_k // WORD_BITS
     key = jnp.arange(tree_block_k)
@@ -188,8 +209,7 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
         def attend(carry):
             inside = c * tree_block_k + key < num_nodes
             rows = length + c * tree_block_k
-            k = plgpu.load(k_ref.at[pl.ds(rows, tree_block_k), :], mask=inside[:, None], other=0.0)
-            v = plgpu.load(v_ref.at[pl.ds(rows, tree_block_k), :], mask=inside[:, None], other=0.0)
+            k, v = tree_rows_of(k_ref, rows, inside), tree_rows_of(v_ref, rows, inside)
             word = words[0][:, None]
             if words_per_step == 2:
                 word = jnp.where(key[None, :] < WORD_BITS, word, words[1][:, None])
@@ -207,7 +227,7 @@ def _tree_attention_kernel(lengths_ref, q_ref, k_ref, v_ref, words_ref, *refs, n
     full_steps = is_prefix * (prefix_rows // block_k)
     tail_steps = is_prefix * jnp.minimum(prefix_rows % block_k, 1)
     carry = init
-    if k_ref.shape[0] >= block_k:  # a cache shorter than a block has no whole block (and can't trace one)
+    if page_size is not None or k_ref.shape[0] >= block_k:  # a cache shorter than a block has no whole block
         carry = lax.fori_loop(0, full_steps, functools.partial(prefix_block, masked=False), carry)
     carry = lax.fori_loop(full_steps, full_steps + tail_steps, functools.partial(prefix_block, masked=True), carry)
     tree_steps = -(-num_words // words_per_step)
@@ -278,14 +298,23 @@ def kernel_inputs(q: jax.Array, tree_words: jax.Array, num_kv_heads: int, block_
 
 @functools.partial(jax.jit, static_argnames=("num_nodes", "num_heads", "block_rows", "tuning", "interpret"))
 def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, words: jax.Array,
-                          *, num_nodes: int, num_heads: int, block_rows: int, tuning: TreeAttentionTuning,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                          pages: jax.Array | None = None, *, num_nodes: int, num_heads: int, block_rows: int,
+                          tuning: TreeAttentionTuning, interpret: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """The pallas_call alone, on `kernel_inputs`' (q, words): per-split normalised outputs and their
     log-sum-exps (fp32), P = `tuning.num_partials`. Head-blocked: (B, P, N, H, D) and (B, P, N, H);
     packed: (B, Hkv, P, R, D) and (B, Hkv, P, R). With one partial, or `merge_in_kernel`, the output
     is final, in q's dtype, with P = 1 (and lse None when merged in the kernel); otherwise the
-    partials are fp32 (q's dtype with `low_precision_partials`)."""
-    b, s, hkv, d = k.shape
+    partials are fp32 (q's dtype with `low_precision_partials`). With `pages` (B, pages_per_sequence)
+    k and v are a paged pool (pages, page_size, Hkv, D) (kv_cache.KVCache)."""
+    page_size = None
+    if pages is None:
+        b, s, hkv, d = k.shape
+    else:
+        (b, per_sequence), (_, page_size, hkv, d) = pages.shape, k.shape
+        s = per_sequence * page_size
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"the kernel reads pages of a power-of-two size >= 16, not {page_size}")
+        tuning = dataclasses.replace(tuning, block_k=min(tuning.block_k, page_size))
     group = num_heads // hkv
     blocked = head_blocked(num_nodes, block_rows)
     node_blocks = num_nodes // block_rows
@@ -300,8 +329,11 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
                                prefix_splits=splits, tree_split=partials - 1, split_rows=split_rows,
                                block_k=tuning.block_k, scale=math.log2(math.e) / math.sqrt(d),
                                tree_block_k=tuning.tree_block_k if s >= tuning.tree_block_k else WORD_BITS,
-                               merge_in_kernel=merge_in_kernel, interpret=interpret)
-    kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0))
+                               merge_in_kernel=merge_in_kernel, interpret=interpret, page_size=page_size)
+    if pages is None:
+        kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, r, sp: (i, 0, j, 0))
+    else:  # every program may read any page of the pool: its KV head's column of all of them
+        kv_spec = pl.BlockSpec((k.shape[0], page_size, None, d), lambda i, j, r, sp: (0, 0, j, 0))
     if blocked:  # row block r of KV head j: query head j * group + r // node_blocks, nodes of block r % node_blocks
         def head(j, r):
             return j * group + r // node_blocks
@@ -319,6 +351,9 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
         lse_spec = pl.BlockSpec((None, None, None, block_rows), lambda i, j, r, sp: (i, j, sp, r))
     in_specs = [pl.BlockSpec((b,), lambda i, j, r, sp: (0,)), q_spec, kv_spec, kv_spec, words_spec]
     inputs = [lengths.astype(jnp.int32), q_in, k, v, words]
+    if pages is not None:
+        in_specs.append(pl.BlockSpec((None, pages.shape[1]), lambda i, j, r, sp: (i, 0)))
+        inputs.append(pages.astype(jnp.int32))
 
     def with_partials(shape, count):  # rows_shape with a partial axis of `count` at partial_axis
         full = (b,) + rows_shape + shape
@@ -390,17 +425,18 @@ def merge_partials(out: jax.Array, lse: jax.Array, axis: int, *, with_lse: bool 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
 def tree_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array,
-                          *, tuning: TreeAttentionTuning = TreeAttentionTuning(),
+                          pages: jax.Array | None = None, *, tuning: TreeAttentionTuning = TreeAttentionTuning(),
                           interpret: bool = False) -> jax.Array:
     """The Pallas kernel; same contract as `tree_attention_reference`. Needs lengths + N <= S.
-    K/V are read in place from the (B, S, Hkv, D) cache (strided), never transposed or copied."""
+    K/V are read in place from the (B, S, Hkv, D) cache (strided), or with `pages` from the paged pool
+    (pages, page_size, Hkv, D), never transposed or copied."""
     b, n, h, d = q.shape
     hkv = k.shape[2]
     group = h // hkv
     block_rows = block_rows_for(tuning, group * n)
     q_in, words = kernel_inputs(q, tree_words, hkv, block_rows)
-    out, lse = tree_attention_splits(q_in, k, v, lengths, words, num_nodes=n, num_heads=h, block_rows=block_rows,
-                                     tuning=tuning, interpret=interpret)
+    out, lse = tree_attention_splits(q_in, k, v, lengths, words, pages, num_nodes=n, num_heads=h,
+                                     block_rows=block_rows, tuning=tuning, interpret=interpret)
     if head_blocked(n, block_rows):  # with one partial no op runs around the kernel
         return merge_partials(out, lse, axis=1).astype(q.dtype)
     merged = merge_partials(out, lse, axis=2)[:, :, :group * n]  # (B, Hkv, rows, D)
@@ -496,20 +532,26 @@ def mosaic_preferred(q: jax.Array, k: jax.Array) -> bool:
 def tree_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, tree_words: jax.Array, *,
                    implementation: str | None = None,
                    tuning: TreeAttentionTuning = TreeAttentionTuning(),
-                   mosaic_tuning: MosaicTreeAttentionTuning = MosaicTreeAttentionTuning()) -> jax.Array:
+                   mosaic_tuning: MosaicTreeAttentionTuning = MosaicTreeAttentionTuning(),
+                   pages: jax.Array | None = None) -> jax.Array:
     """Entry point. "mosaic" takes the Mosaic GPU kernel (Hopper) where it supports the call (trees of
     64k nodes) and the Triton one ("pallas") for the rest (decode steps, small trees); "auto" (or
     None) takes "mosaic" where `mosaic_preferred`, else "pallas" on GPU and "xla" (the reference)
-    elsewhere. The *_interpret forms run the kernels' semantics on any backend (tests)."""
+    elsewhere. The *_interpret forms run the kernels' semantics on any backend (tests). With `pages`
+    (B, pages_per_sequence), k/v are a paged pool (pages, page_size, Hkv, D), which the Triton kernel
+    reads in place (the Mosaic kernel's calls go to it) and the reference gathers into rows."""
+    paged = pages is not None
     if implementation in (None, "auto"):
-        implementation = "mosaic" if mosaic_preferred(q, k) else default_implementation()
+        implementation = "mosaic" if not paged and mosaic_preferred(q, k) else default_implementation()
     if implementation == "xla":
+        if paged:
+            k, v = sequence_rows(k, pages), sequence_rows(v, pages)
         return tree_attention_reference(q, k, v, lengths, tree_words)
     interpret = implementation.endswith("_interpret")
-    if implementation in ("mosaic", "mosaic_interpret") and mosaic_unsupported_reason(q, k) is None:
+    if implementation in ("mosaic", "mosaic_interpret") and not paged and mosaic_unsupported_reason(q, k) is None:
         return tree_attention_mosaic(q, k, v, lengths, tree_words, tuning=mosaic_tuning, interpret=interpret)
     if implementation in IMPLEMENTATIONS:
-        return tree_attention_pallas(q, k, v, lengths, tree_words, tuning=tuning, interpret=interpret)
+        return tree_attention_pallas(q, k, v, lengths, tree_words, pages, tuning=tuning, interpret=interpret)
     raise ValueError(f"unknown tree attention implementation {implementation!r}; use one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
 

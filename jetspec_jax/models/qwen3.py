@@ -17,7 +17,7 @@ from jax import lax
 
 from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.attention import cache_attention, cache_visibility
-from jetspec_jax.kv_cache import KVCache, write_block
+from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models.params import ParamSpec
 
 SUPPORTED_HF_ARCHITECTURES = {
@@ -311,8 +311,9 @@ def param_specs(cfg: Config) -> dict[str, Any]:
     return specs
 
 
-def new_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+def new_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32, page_size: int | None = None) -> KVCache:
+    """Dense, or paged with `page_size` (kv_cache.KVCache.create)."""
+    return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, page_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -490,9 +491,9 @@ def forward(
     new_k, new_v, taps = list(cache.k), list(cache.v), []
     for i, layer in enumerate(params["layers"]):
         q, k, v = attention_inputs(x, layer, cfg, cos, sin)
-        new_k[i] = write_block(new_k[i], k, cache.lengths)
-        new_v[i] = write_block(new_v[i], v, cache.lengths)
-        attn = cache_attention(q, k, v, new_k[i], new_v[i], cache.lengths, visibility)
+        new_k[i] = cache.write(new_k[i], k, cache.lengths)
+        new_v[i] = cache.write(new_v[i], v, cache.lengths)
+        attn = cache_attention(q, k, v, new_k[i], new_v[i], cache.lengths, visibility, pages=cache.pages)
         x = finish_layer(x, attn, layer, cfg, i)
         if i in tap_layers:
             taps.append(x)

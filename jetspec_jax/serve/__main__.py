@@ -67,6 +67,13 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--slots", type=int, default=8, help="sequences decoded together; more requests queue")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--max-len", type=int, default=2048, help="cache rows per slot: prompt + answer")
+    p.add_argument("--kv-page-size", type=int, default=None,
+                   help="keep the target's cache as one pool of pages of this many rows (a power of two >= 16) "
+                        "that requests share, each holding the pages its prompt + max_tokens reach; "
+                        "default: a dense cache of --slots x --max-len rows")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="pages in the pool with --kv-page-size (default: as many rows as the dense cache); a "
+                        "request waits in the queue while too few are free")
     p.add_argument("--budget", type=budget_arg, default=64,
                    help="tree nodes verified per step, or 'auto' to pick it from the load, plain decoding "
                         "included where no tree pays")
@@ -105,6 +112,12 @@ def check_cli_settings(args) -> None:
                 for name in ("slots", "max_queue", "max_len", "width", "chunk_steps", "max_admit", "prefill_chunk",
                              "min_batch", "default_max_tokens", "max_body_bytes", "max_connections")
                 if getattr(args, name) < 1]
+    if args.kv_pages is not None and args.kv_page_size is None:
+        problems.append("--kv-pages sizes a paged cache: give --kv-page-size too")
+    if args.kv_page_size is not None and (args.kv_page_size < 16 or args.kv_page_size & (args.kv_page_size - 1)):
+        problems.append(f"--kv-page-size must be a power of two >= 16, got {args.kv_page_size}")
+    if args.kv_pages is not None and args.kv_pages < 2:
+        problems.append(f"--kv-pages must be >= 2 (one page is scratch), got {args.kv_pages}")
     if args.prefill_chunk >= 1 and args.prefill_chunk % 64:
         problems.append(f"--prefill-chunk must be a multiple of 64 (the prompt bucket), got {args.prefill_chunk}")
     if not 0 <= args.port <= 65535:
@@ -210,7 +223,7 @@ def serve_command(argv: Sequence[str] | None = None) -> int:
                             budget=args.budget, width=args.width, chunk_steps=args.chunk_steps,
                             max_queue=args.max_queue, cost_table=args.cost_table, min_batch=args.min_batch,
                             gemm_backend=args.gemm_backend, max_admit=args.max_admit,
-                            prefill_chunk=args.prefill_chunk)
+                            prefill_chunk=args.prefill_chunk, page_size=args.kv_page_size, kv_pages=args.kv_pages)
             engine.start(warm_up=args.warmup == "full")
             if args.warmup == "full":
                 print(f"warm-up: compiling every program: {engine.warm_up.describe()}", file=sys.stderr)

@@ -18,10 +18,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jetspec_jax.kv_cache import check_page_size
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import RowSampling, SamplingConfig, seed_words
 from jetspec_jax.serve import slots as device
 from jetspec_jax.serve.budget import PLAIN, BudgetPolicy, load_bucket
+from jetspec_jax.serve.pages import PageBook
 from jetspec_jax.serve.warmup import WarmUp
 from jetspec_jax.speculative import METHODS, HeadDrafter, SpecConfig, check_gemm_backend
 from jetspec_jax.tokens import pad_token, stop_tokens
@@ -121,7 +123,8 @@ class Engine:
                  cost_table: str | None = None, stop_token_ids: tuple[int, ...] | None = None,
                  attention: str = "auto", min_batch: int = 1, max_depth: int | None = None,
                  tree_temperature: float = 1.0, draft_attention: str = "auto", gemm_backend: str = "auto",
-                 max_admit: int = 8, overlap: bool = False, prefill_chunk: int = 512):
+                 max_admit: int = 8, overlap: bool = False, prefill_chunk: int = 512,
+                 page_size: int | None = None, kv_pages: int | None = None):
         """`slots` sequences decode at once; chunks run the first 1, 2, 4, ... of them that hold the live
         ones (one compiled program per size; `min_batch` sets the smallest). `max_len` rows of cache
         per slot bound prompt + max_new_tokens; `budget` is a tree size or "auto" (budget.py);
@@ -136,6 +139,10 @@ class Engine:
         run, while a loop of known trip count returns at once and the host's work between chunks
         overlaps the device's. A slot that ends then idles to the end of its chunk and the one launched
         behind it.
+        With `page_size` the target's cache is one pool of `kv_pages` pages of that many rows (default:
+        as many rows as the dense cache, slots x max_len) that requests share (kv_cache.KVCache, pages.py):
+        a request holds the pages its prompt + max_tokens can reach, so a large `max_len` costs memory
+        only for the requests that use it, and one waits in the queue while too few pages are free.
         The engine decodes with the target's weights in the decode layout (qwen3.fuse_for_decode): a copy,
         unless they are fused already (the server fuses them before it builds the engine)."""
         if method != "ar" and method not in METHODS:
@@ -173,12 +180,23 @@ class Engine:
             specs = [self.spec(b) for b in self.policy.budgets if b != PLAIN]
             self.drafter = self.drafter.for_specs(specs)  # jetspec-tc's rows
         scratch = max([1] + [device.scratch_rows(s, s.depth(self.drafter.max_depth)) for s in specs])  # validates
-        rows = -(-max_len // 64) * 64
+        if page_size is not None:
+            check_page_size(page_size)
+        elif kv_pages is not None:
+            raise ValueError("kv_pages sizes a paged cache: give page_size too")
+        align = max(64, page_size or 0)  # whole pages of a slot's rows (both powers of two)
+        rows = -(-max_len // align) * align
         if rows > target.cfg.max_position_embeddings + scratch:
-            rows = -(-(target.cfg.max_position_embeddings + scratch) // 64) * 64
-        self.max_len = rows
+            rows = -(-(target.cfg.max_position_embeddings + scratch) // align) * align
+        self.max_len, self.scratch = rows, scratch
         self.max_context = min(rows - scratch, target.cfg.max_position_embeddings)
-        self.slots = device.new_slots(target.cfg, self.drafter, self.head_params, slots, rows, dtype)
+        self.pages = None
+        if page_size is not None:
+            per_slot = rows // page_size
+            kv_pages = slots * per_slot + 1 if kv_pages is None else kv_pages
+            self.pages = PageBook(kv_pages, slots, per_slot, page_size)
+        self.slots = device.new_slots(target.cfg, self.drafter, self.head_params, slots, rows, dtype,
+                                      page_size, kv_pages)
         self.owner: list[RequestHandle | None] = [None] * slots
         # slot -> (its admission row, prompt tokens in its cache) for a prompt that comes in pieces
         self.prefilling: dict[int, tuple[tuple, int]] = {}
@@ -258,7 +276,8 @@ class Engine:
             prompts[r, : len(ids)], lengths[r], limits[r] = ids, len(ids), max_new_tokens
             indices[r], seeds[r], configs[r] = index, seed_words([seed])[0], sampling  # all 64 bits
         args = (self.params, self.head_params, self.slots, indices, prompts, lengths, seeds,
-                RowSampling.of(configs), limits, np.full(rows, start, np.int32))
+                RowSampling.of(configs), limits, np.full(rows, start, np.int32),
+                None if self.pages is None else self.pages.table.copy())
         return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids,
                           resume=start > 0, final=final)
 
@@ -314,6 +333,16 @@ class Engine:
             raise ValueError(f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) "
                              f"exceeds the context of {self.max_context} tokens; lower max_tokens or shorten "
                              "the prompt")
+        if self.pages is not None:
+            needed = self.pages.pages_for(self.rows_reached(prompt_len, max_new_tokens))
+            if needed > self.pages.usable:
+                raise ValueError(f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) "
+                                 f"needs {needed} cache pages of {self.pages.page_size} rows and the server has "
+                                 f"{self.pages.usable}; lower max_tokens or shorten the prompt")
+
+    def rows_reached(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache rows a request can write: its prompt and answer, and a step's scratch rows past them."""
+        return min(prompt_len + max_new_tokens + self.scratch, self.max_len)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         vocab = self.target.cfg.vocab_size
@@ -389,8 +418,9 @@ class Engine:
         with self.lock:
             live = sum(o is not None for o in self.owner)
             queued = len(self.pending)
+            pages = {} if self.pages is None else {"kv_pages": self.pages.usable, "kv_pages_used": self.pages.used}
         return self.stats.snapshot() | {"live_slots": live, "queue_depth": queued, "slots": self.num_slots,
-                                        "method": self.method}
+                                        "method": self.method} | pages
 
     # -- the device thread ---------------------------------------------------------------------
 
@@ -427,6 +457,9 @@ class Engine:
         for handle in list(self.pending) + [o for o in self.owner if o is not None]:
             self._finish(handle, reason, message)
         self.pending.clear()
+        for index, owner in enumerate(self.owner):
+            if owner is not None and self.pages is not None:
+                self.pages.give_back(index)
         self.owner = [None] * self.num_slots
         self.prefilling.clear()
 
@@ -463,6 +496,8 @@ class Engine:
         handle = self.owner[index]
         with self.lock:
             self.owner[index] = None
+            if self.pages is not None:  # the next admission's table points the slot at the scratch page
+                self.pages.give_back(index)
         self.prefilling.pop(index, None)
         self._finish(handle, reason, message)
 
@@ -485,7 +520,13 @@ class Engine:
                 free = [i for i, o in enumerate(self.owner) if o is None]
                 group, pieces, taken = [], [], 0
                 while taken < len(free) and self.pending and len(group) < self.max_admit:
-                    handle, index = self.pending.popleft(), free[taken]
+                    handle, index = self.pending[0], free[taken]
+                    if self.pages is not None:  # in order: the first waits for pages, the rest behind it
+                        rows = self.rows_reached(len(handle.request.prompt_ids), handle.request.max_new_tokens)
+                        if not self.pages.can_take(rows):
+                            break
+                        self.pages.take(index, rows)
+                    self.pending.popleft()
                     self.owner[index], taken = handle, taken + 1
                     (pieces if len(handle.request.prompt_ids) > self.prefill_chunk else group).append((index, handle))
             if not taken:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jetspec_jax.autoregressive import is_stop_token, prefill
-from jetspec_jax.kv_cache import KVCache, write_block
+from jetspec_jax.kv_cache import SCRATCH_PAGE, KVCache, pages_for, write_block
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import RowSampling, keys_of_seed_words, select_tokens
 from jetspec_jax.speculative import GEMM_BACKENDS, SpecConfig, speculative_cache_rows, speculative_step
@@ -47,12 +47,22 @@ def scratch_rows(spec: SpecConfig | None, depth: int) -> int:
     return 1 if spec is None else speculative_cache_rows(spec.budget, depth)
 
 
-def new_slots(cfg: qwen3.Config, drafter, drafter_params, num_slots: int, max_len: int, dtype) -> Slots:
+def new_slots(cfg: qwen3.Config, drafter, drafter_params, num_slots: int, max_len: int, dtype,
+              page_size: int | None = None, num_pages: int | None = None) -> Slots:
+    """Free slots over a dense cache (max_len rows a slot), or with `page_size` over a pool of
+    `num_pages` pages that the host hands out (every table entry starts at the scratch page)."""
     def zeros(dtype=jnp.int32):  # a buffer per field: the chunk donates them all
         return jnp.zeros((num_slots,), dtype)
 
     draft = None if drafter is None else drafter.init_state(drafter_params, num_slots, max_len, dtype)
-    return Slots(cache=qwen3.new_cache(cfg, num_slots, max_len, dtype), draft=draft, anchor=zeros(), num=zeros(),
+    if page_size is None:
+        cache = qwen3.new_cache(cfg, num_slots, max_len, dtype)
+    else:
+        pool = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        cache = KVCache(k=tuple(jnp.zeros(pool, dtype) for _ in range(cfg.num_layers)),
+                        v=tuple(jnp.zeros(pool, dtype) for _ in range(cfg.num_layers)), lengths=zeros(),
+                        pages=jnp.full((num_slots, pages_for(max_len, page_size)), SCRATCH_PAGE, jnp.int32))
+    return Slots(cache=cache, draft=draft, anchor=zeros(), num=zeros(),
                  limit=zeros(), live=zeros(bool), keys=keys_of_seed_words(jnp.zeros((num_slots, 2), jnp.uint32)),
                  sampling=RowSampling(zeros(jnp.float32), zeros(), jnp.ones((num_slots,), jnp.float32)),
                  forwards=zeros())
@@ -69,38 +79,78 @@ def _take_rows(tree, indices):
     return jax.tree.map(lambda a: jnp.take(a, indices, axis=0, mode="clip"), tree)
 
 
+def _without_pool(slots: Slots) -> tuple[Slots, tuple | None]:
+    """(slots whose every leaf has the slot axis first, the paged pool's (k, v) taken out, or None)."""
+    if not slots.cache.paged:
+        return slots, None
+    return slots._replace(cache=slots.cache._replace(k=(), v=())), (slots.cache.k, slots.cache.v)
+
+
+def _with_pool(slots: Slots, pool: tuple | None) -> Slots:
+    return slots if pool is None else slots._replace(cache=slots.cache._replace(k=pool[0], v=pool[1]))
+
+
+def _admitted_cache(slots: Slots, indices: jax.Array, lengths: jax.Array) -> KVCache:
+    """The admitted rows' view of the target cache, at `lengths`: their own rows of a dense cache (copied
+    out), or the shared pool with their page-table rows (a padding row's pages are the scratch page)."""
+    cache = slots.cache
+    if not cache.paged:
+        return _take_rows(cache, indices)._replace(lengths=lengths)
+    real = indices < cache.batch
+    pages = jnp.where(real[:, None], jnp.take(cache.pages, indices, axis=0, mode="clip"), SCRATCH_PAGE)
+    return cache._replace(lengths=lengths, pages=pages)
+
+
+def _store_admitted(slots: Slots, indices: jax.Array, cache: KVCache) -> KVCache:
+    """The slots' cache after the admitted rows' forward wrote `cache`: the rows set back into a dense
+    cache, or the pool (written in place) with the rows' lengths."""
+    if not cache.paged:
+        return _set_rows(slots.cache, indices, cache)
+    return cache._replace(lengths=slots.cache.lengths.at[indices].set(cache.lengths, mode="drop"),
+                          pages=slots.cache.pages)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids", "resume", "final"),
                    donate_argnames=("slots",))
 def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax.Array, prompt_lens: jax.Array,
-          seeds: jax.Array, sampling: RowSampling, limits: jax.Array, starts: jax.Array | None = None, *,
-          cfg: qwen3.Config, drafter, eos_token_ids: tuple[int, ...], resume: bool = False, final: bool = True):
+          seeds: jax.Array, sampling: RowSampling, limits: jax.Array, starts: jax.Array | None = None,
+          pages: jax.Array | None = None, *, cfg: qwen3.Config, drafter, eos_token_ids: tuple[int, ...],
+          resume: bool = False, final: bool = True):
     """Prefills right-padded prompts (R, P) into slots `indices` (R,) and picks their first tokens; a row
     whose index is past the slots pads the batch and changes nothing. `seeds` (R, 2) uint32 are each
     request's 64-bit seed (sampling.seed_words), its key as sampling.request_keys makes it. Returns
     (slots, first tokens (R,), finished (R,)), finished meaning the request already ended.
     A long prompt comes in pieces (chunked prefill): `resume` appends the rows' tokens to what their
     slots hold, `starts` (R,) tokens, instead of starting afresh; a piece that is not `final` only fills
-    the cache and the head's context (the slot stays idle, first and finished are zeros)."""
+    the cache and the head's context (the slot stays idle, first and finished are zeros).
+    A paged cache takes the host's whole page table `pages` (S, pages_per_sequence) first: pages it
+    handed to these rows, and the scratch page for slots whose pages it took back, so no idle slot
+    writes into pages another request now holds. The prompts go straight into the pool."""
     params = qwen3.fuse_for_decode(params)
     rows, width = prompts.shape
     taps_wanted = () if drafter is None else tuple(drafter.tap_layers)
-    if resume:
-        cache = _take_rows(slots.cache, indices)._replace(lengths=starts)
-        positions = starts[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
-        logits, taps, cache = qwen3.forward(params, prompts, positions, cache, cfg, tap_layers=taps_wanted,
-                                            logits_indices=(prompt_lens - 1)[:, None])
-        logits, cache = logits[:, 0], cache._replace(lengths=starts + prompt_lens)
-        state = None if drafter is None else _take_rows(slots.draft, indices)
+    if pages is not None:
+        slots = slots._replace(cache=slots.cache._replace(pages=pages.astype(jnp.int32)))
+    if resume or slots.cache.paged:
+        start = starts if resume else jnp.zeros((rows,), jnp.int32)
+        positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+        logits, taps, cache = qwen3.forward(params, prompts, positions, _admitted_cache(slots, indices, start), cfg,
+                                            tap_layers=taps_wanted, logits_indices=(prompt_lens - 1)[:, None])
+        logits, cache = logits[:, 0], cache._replace(lengths=start + prompt_lens)
     else:
         logits, taps, cache = prefill(params, prompts, prompt_lens, cfg, slots.cache.max_len, tap_layers=taps_wanted)
-        state = None if drafter is None else drafter.init_state(drafter_params, rows, slots.cache.max_len,
-                                                                  params["embed"].dtype)
+    if drafter is None:
+        state = None
+    elif resume:
+        state = _take_rows(slots.draft, indices)
+    else:
+        state = drafter.init_state(drafter_params, rows, slots.cache.max_len, params["embed"].dtype)
     draft = slots.draft
     if drafter is not None:
         if taps_wanted:
             state = drafter.observe(drafter_params, state, taps, prompt_lens)
         draft = _set_rows(draft, indices, state)
-    slots = slots._replace(cache=_set_rows(slots.cache, indices, cache), draft=draft)
+    slots = slots._replace(cache=_store_admitted(slots, indices, cache), draft=draft)
     zeros = jnp.zeros((rows,), jnp.int32)
     if not final:
         return slots, zeros, zeros.astype(bool)
@@ -131,11 +181,13 @@ def _run_chunk(params, drafter_params, slots: Slots, return_early: jax.Array, *,
     queue the next chunk behind it. Only the first `active` slots run (the host keeps the live ones
     there): a light load pays for a small batch, not for every slot."""
     if active is not None and active < slots.anchor.shape[0]:
-        head = jax.tree.map(lambda a: a[:active], slots)
+        rows, pool = _without_pool(slots)  # a paged pool is shared, not sliced
+        head = _with_pool(jax.tree.map(lambda a: a[:active], rows), pool)
         head, out = _run_chunk(params, drafter_params, head, return_early, cfg=cfg, drafter=drafter, spec=spec,
                                steps=steps, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                attention=attention, fixed=fixed)
-        return jax.tree.map(lambda a, h: a.at[:active].set(h), slots, head), out
+        head, pool = _without_pool(head)
+        return _with_pool(jax.tree.map(lambda a, h: a.at[:active].set(h), rows, head), pool), out
     params = qwen3.fuse_for_decode(params)
     depth = 0 if spec is None else spec.depth(drafter.max_depth)
     tap_layers = () if drafter is None else tuple(drafter.tap_layers)

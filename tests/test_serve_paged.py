@@ -1,0 +1,86 @@
+"""The engine over a paged KV cache (Engine(page_size=, kv_pages=)): requests share one pool of pages,
+wait in the queue while too few are free, give AR's very tokens at T=0 (drafts accepted, prompts in
+pieces, chunks overlapping the host), and give their pages back however they end."""
+
+from __future__ import annotations
+
+import pytest
+from test_serve_engine import (EOS, PROMPTS, TIMEOUT, accepted_drafts, collect, drafting_greedily, offline,
+                               prompt_of)
+
+from jetspec_jax.api import random_head
+from jetspec_jax.serve.engine import Engine, EngineRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3):
+    return tiny_qwen3[0]
+
+
+def test_requests_share_the_pool_and_equal_offline_ar(target):
+    """Six requests and a long prompt on three slots, with pages for about two requests at a time: the
+    queue waits for pages while a slot is free, every greedy output is offline AR's token for token with
+    drafts accepted (paths compacted across page boundaries), and every page comes back."""
+    engine = Engine(target, random_head(target, "causal", seed=3), method="jetspec", slots=3, max_len=256, budget=8,
+                    width=3, chunk_steps=4, stop_token_ids=(EOS,), overlap=True, prefill_chunk=64, page_size=16,
+                    kv_pages=15)
+    engine = drafting_greedily(engine, target)
+    waited = []  # at each chunk launch: a slot free while requests were queued (for pages, then)
+    launch = engine._launch_chunk
+
+    def logged():
+        waited.append(None in engine.owner and bool(engine.pending))
+        return launch()
+    engine._launch_chunk = logged
+    prompts, limits = PROMPTS + [prompt_of(150)], [12, 30, 7, 20, 25, 16, 40]
+    try:
+        handles = [engine.submit(EngineRequest(p, m, SamplingParams(), f"r{i}"))
+                   for i, (p, m) in enumerate(zip(prompts, limits))]
+        assert engine.metrics()["kv_pages"] == 14 and engine.metrics()["kv_pages_used"] == 0
+        engine.start()
+        results = [collect(h) for h in handles]
+    finally:
+        engine.shutdown()
+    assert [tokens for tokens, _ in results] == offline(target, None, "ar", prompts, limits)
+    assert accepted_drafts(engine) > 0
+    # 14 pages of 16 rows; a request holds ceil((prompt + max_tokens + 8 scratch rows) / 16): 2, 4, 4, ...
+    # and 13 for the long prompt, so requests waited for pages with a slot free
+    assert any(waited)
+    assert engine.metrics()["kv_pages_used"] == 0 and sorted(engine.pages.free) == list(range(1, 15))
+
+
+def test_a_request_larger_than_the_pool_is_refused(target):
+    engine = Engine(target, None, method="ar", slots=2, max_len=256, page_size=16, kv_pages=5)
+    with pytest.raises(ValueError, match=r"max_tokens: .* needs 7 cache pages of 16 rows and the server has 4"):
+        engine.submit(EngineRequest(prompt_of(40), 60))
+    engine.submit(EngineRequest(prompt_of(40), 20)).cancel()  # 61 rows: 4 pages
+    engine.start()
+    engine.shutdown()
+    assert engine.pages.used == 0
+
+
+def test_cancelled_and_queued_requests_give_their_pages_back(target):
+    engine = Engine(target, None, method="ar", slots=2, max_len=256, chunk_steps=2, stop_token_ids=(),
+                    page_size=16, kv_pages=9)
+    try:
+        running = engine.submit(EngineRequest(prompt_of(20), 100))
+        engine.start()
+        running.get(timeout=TIMEOUT)  # admitted: it holds 8 pages of the 8
+        waiting = engine.submit(EngineRequest(prompt_of(5), 4))
+        assert engine.pages.used == 8
+        running.cancel()
+        tokens, finish = collect(waiting)
+        assert len(tokens) == 4 and finish.reason == "length"
+        assert collect(running)[1].reason == "cancelled"
+    finally:
+        engine.shutdown()
+    assert engine.pages.used == 0 and sorted(engine.pages.free) == list(range(1, 9))
+
+
+def test_paged_settings_are_checked(target):
+    with pytest.raises(ValueError, match="page_size must be a power of two >= 16"):
+        Engine(target, None, method="ar", slots=2, max_len=128, page_size=24)
+    with pytest.raises(ValueError, match="kv_pages sizes a paged cache: give page_size too"):
+        Engine(target, None, method="ar", slots=2, max_len=128, kv_pages=10)
+    with pytest.raises(ValueError, match="kv_pages must be an integer >= 2"):
+        Engine(target, None, method="ar", slots=2, max_len=128, page_size=16, kv_pages=1)
