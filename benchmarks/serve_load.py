@@ -71,10 +71,11 @@ class LiveServer:
         if options["switch_ms"]:
             sys.setswitchinterval(options["switch_ms"] / 1e3)
         self.engine = Engine(target, None if method == "ar" else head, method=method, slots=args.slots,
-                             max_len=args.max_len, budget=budget, width=args.width,
+                             max_len=options["max_len"] or args.max_len, budget=budget, width=args.width,
                              chunk_steps=options["chunk_steps"] or args.chunk_steps, max_queue=4 * args.slots,
                              cost_table=args.cost_table, max_admit=args.max_admit,
-                             overlap=options["overlap"], prefill_chunk=args.prefill_chunk).start(warm_up=True)
+                             overlap=options["overlap"], prefill_chunk=args.prefill_chunk,
+                             page_size=options["page_size"]).start(warm_up=True)
         print(f"{variant}: warm-up compiles {self.engine.warm_up.describe()}", flush=True)
         self.engine.warm_up.wait(progress_bar=True)
         self.port = free_port()
@@ -95,14 +96,16 @@ class LiveServer:
 
 
 def parse_variant(variant: str) -> dict:
-    """NAME[/overlap][/steps=N][/switch=MS]: NAME is ar, auto or a budget; `overlap` launches each chunk
-    before reading the last; `steps=N` runs N steps a chunk (default --chunk-steps); `switch=MS` sets
-    the interpreter's thread switch interval (sys.setswitchinterval; Python's default is 5 ms) while the
-    variant runs, since the engine's thread and the HTTP server's share the interpreter lock."""
+    """NAME[/overlap][/steps=N][/switch=MS][/len=L][/paged=P]: NAME is ar, auto or a budget; `overlap`
+    launches each chunk before reading the last; `steps=N` runs N steps a chunk (default --chunk-steps);
+    `switch=MS` sets the interpreter's thread switch interval (sys.setswitchinterval; Python's default
+    is 5 ms) while the variant runs, since the engine's thread and the HTTP server's share the
+    interpreter lock; `len=L` gives the engine --max-len L instead of the run's; `paged=P` keeps its
+    cache paged, pages of P rows (--kv-page-size)."""
     name, *suffixes = variant.split("/")
     if name not in ("ar", "auto") and not (name.isdigit() and int(name) >= 2):
         raise SystemExit(f"variant {variant!r}: {name!r} is not ar, auto or a budget >= 2")
-    options = dict(name=name, overlap=False, chunk_steps=None, switch_ms=None)
+    options = dict(name=name, overlap=False, chunk_steps=None, switch_ms=None, max_len=None, page_size=None)
     for suffix in suffixes:
         key, _, value = suffix.partition("=")
         try:
@@ -112,11 +115,15 @@ def parse_variant(variant: str) -> dict:
                 options["chunk_steps"] = int(value)
             elif key == "switch" and float(value) > 0:
                 options["switch_ms"] = float(value)
+            elif key == "len" and int(value) >= 64:
+                options["max_len"] = int(value)
+            elif key == "paged" and int(value) >= 16 and not int(value) & (int(value) - 1):
+                options["page_size"] = int(value)
             else:
                 raise ValueError(suffix)
         except ValueError:
-            raise SystemExit(f"variant {variant!r}: {suffix!r} is not overlap, steps=N (N >= 1) or "
-                             "switch=MS (MS > 0)") from None
+            raise SystemExit(f"variant {variant!r}: {suffix!r} is not overlap, steps=N (N >= 1), switch=MS "
+                             "(MS > 0), len=L (L >= 64) or paged=P (a power of two >= 16)") from None
     return options
 
 
@@ -222,6 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-admit", type=int, default=8, help="prompts prefilled in one admission call")
     p.add_argument("--prefill-chunk", type=int, default=512, help="longer prompts are prefilled this many a call")
     p.add_argument("--cost-table", default=None, help="for 'auto' (default: the shipped table, else online)")
+    p.add_argument("--offline-ar", action="store_true",
+                   help="also time offline AR generation (api.generate) at each concurrency as the batch, on the "
+                        "same prompts, and give the `ar` rows offline_throughput and server_over_offline")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     p.add_argument("--out", default=None)
     cache.add_cache_flags(p)
@@ -243,10 +253,13 @@ def main(argv=None) -> int:
                 measure_variant(server, variant, clients, prompts, args, rows, warm_up)
             finally:
                 server.close()
+            if variant == "ar" and args.offline_ar:
+                add_offline_ar(target, prompts, args, rows)
             add_ratios_to_ar(rows)
             if args.out:  # after each variant: a run cut short keeps the variants it finished
                 write_results(args, target, warm_up, rows, complete=variant == args.variants[-1])
-    columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "ttft_median_s", "ttft_p99_s",
+    columns = ["variant", "concurrency", "throughput", "throughput_over_ar", "offline_throughput",
+               "server_over_offline", "ttft_median_s", "ttft_p99_s",
                "stall_p99_s",
                "request_tokens_per_second", "tau", "last_budget", "steps_per_chunk", "ms_per_step", "mean_live",
                "chunk_share", "prefill_share", "requests_per_admission", "compile_s", "warning"]
@@ -293,6 +306,25 @@ def policy_estimates(engine, live: int) -> dict[str, dict] | None:
     if policy is None or not policy.adaptive:
         return None
     return {str(b): e for b, e in policy.estimates(live, engine.chunk_rows(live)).items()}
+
+
+def add_offline_ar(target, prompts: list[str], args, rows: list[dict]) -> None:
+    """Offline AR (api.generate, greedy, chat template, the server's max_tokens) with each level's
+    concurrency as the batch, over the prompts that level's clients sent (the first concurrency x
+    --requests-per-level of the same cycle), on the `ar` rows: completion tokens a second of generation
+    (compilation excluded: a warm-up batch runs first)."""
+    from jetspec_jax.api import generate
+
+    for row in [r for r in rows if r["variant"] == "ar"]:
+        c = row["concurrency"]
+        source = list(itertools.islice(itertools.cycle(prompts), c * args.requests_per_level))
+        generate(source[:c], target, max_new_tokens=args.max_tokens)  # compiles this batch's program
+        tokens = seconds = 0
+        for start in range(0, len(source), c):
+            out = generate(source[start:start + c], target, max_new_tokens=args.max_tokens)
+            tokens, seconds = tokens + sum(len(t) for t in out.token_ids), seconds + out.generate_seconds
+        row.update(offline_throughput=tokens / seconds, server_over_offline=row["throughput"] * seconds / tokens)
+        print(f"offline AR at batch {c}: {tokens / seconds:.0f} tokens/s (server {row['throughput']:.0f})", flush=True)
 
 
 def add_ratios_to_ar(rows: list[dict]) -> None:

@@ -39,16 +39,10 @@ def test_head_file_errors(tiny_qwen3, tmp_path):
         load_head(str(tmp_path / "head"), jnp.float32)
 
 
-def test_generate_speculative_equals_ar_on_embedded_model(embedded_target):
+def test_a_method_s_head_is_checked(embedded_target):
+    """(Speculative output equal to AR's on this model: test_shipped_heads_are_lossless_and_accept.)"""
     prompts = ["What is 15 plus 27?", "Say hello in French."]
-    ar = generate(prompts, embedded_target, max_new_tokens=24)
     head = random_head(embedded_target, "bidirectional")
-    for method in ("ddtree", "dflash"):
-        spec = generate(prompts, embedded_target, method=method, head=head, budget=16, width=3,
-                        max_new_tokens=24)
-        assert spec.token_ids == ar.token_ids and spec.texts == ar.texts
-        assert spec.tau is not None and spec.tau >= 1.0
-        assert sum(spec.accept_counts) == spec.target_forwards
     with pytest.raises(ValueError, match="needs a draft head"):
         generate(prompts, embedded_target, method="jetspec")
     with pytest.raises(ValueError, match="expects a causal head, but this head is bidirectional"):
@@ -104,5 +98,6 @@ def test_shipped_heads_are_lossless_and_accept(embedded_target, method, budgets)
     ar = generate(prompts, embedded_target, max_new_tokens=64)
     for budget in budgets:
         spec = generate(prompts, embedded_target, method=method, head=head, budget=budget, max_new_tokens=64)
-        assert spec.token_ids == ar.token_ids
+        assert spec.token_ids == ar.token_ids and spec.texts == ar.texts
         assert spec.tau > 1.8
+        assert sum(spec.accept_counts) == spec.target_forwards

@@ -40,7 +40,8 @@ def tiny_model_head_and_data(tmp_path):
     return model, head_dir, data
 
 
-VARIED = "8/overlap/steps=1/switch=0.5"  # every suffix: chunks of one step, launched ahead, a 0.5 ms switch
+# the engine suffixes: chunks of one step, launched ahead, a 0.5 ms switch, a paged cache of 16-row pages
+VARIED = "8/overlap/steps=1/switch=0.5/paged=16"
 
 
 @pytest.mark.slow
@@ -50,7 +51,7 @@ def test_serve_load_times_no_compilation(tmp_path):
     command = [sys.executable, SCRIPT, "--model", str(model), "--head", str(head_dir), "--data-dir", str(data),
                "--variants", "ar", "8", VARIED, "--concurrency", "1", "2", "--requests-per-level", "1",
                "--max-tokens", "8", "--slots", "2", "--max-len", "192", "--width", "3", "--chunk-steps", "2",
-               "--no-cache", "--out", str(out)]
+               "--offline-ar", "--no-cache", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -58,6 +59,12 @@ def test_serve_load_times_no_compilation(tmp_path):
     assert [(r["variant"], r["concurrency"]) for r in result["rows"]] == [
         (v, c) for v in ("ar", "8", VARIED) for c in (1, 2)]
     assert all(r["throughput_over_ar"] > 0 for r in result["rows"])
+    for row in result["rows"]:  # offline AR at each concurrency as the batch, beside the server's AR
+        if row["variant"] == "ar":
+            assert row["offline_throughput"] > 0
+            assert row["server_over_offline"] == pytest.approx(row["throughput"] / row["offline_throughput"])
+        else:
+            assert "offline_throughput" not in row
     for row in result["rows"]:
         assert row["compilations"] == 0 and row["compile_s"] == 0 and row["warning"] is None, row
         assert row["completion_tokens"] == 8 * row["requests"] and row["throughput"] > 0
@@ -94,10 +101,14 @@ def test_percentiles_interpolate_as_numpy_does():
 
 def test_variants_name_a_budget_and_the_engine_settings_to_change():
     parse = serve_load_module().parse_variant
-    assert parse("auto") == dict(name="auto", overlap=False, chunk_steps=None, switch_ms=None)
-    assert parse("32/overlap/steps=16/switch=0.5") == dict(name="32", overlap=True, chunk_steps=16, switch_ms=0.5)
+    assert parse("auto") == dict(name="auto", overlap=False, chunk_steps=None, switch_ms=None, max_len=None,
+                                 page_size=None)
+    assert parse("32/overlap/steps=16/switch=0.5") == dict(name="32", overlap=True, chunk_steps=16, switch_ms=0.5,
+                                                           max_len=None, page_size=None)
+    assert parse("ar/len=8192/paged=64") == dict(name="ar", overlap=False, chunk_steps=None, switch_ms=None,
+                                                 max_len=8192, page_size=64)
     for bad, named in [("32/fast", "'fast'"), ("32/steps=0", "'steps=0'"), ("32/switch=x", "'switch=x'"),
-                       ("big", "'big'"), ("1", "'1'")]:
+                       ("big", "'big'"), ("1", "'1'"), ("ar/paged=48", "'paged=48'"), ("ar/len=10", "'len=10'")]:
         with pytest.raises(SystemExit, match=named):
             parse(bad)
 
