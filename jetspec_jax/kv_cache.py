@@ -83,11 +83,6 @@ class KVCache(NamedTuple):
         page, offset = self.locate(rows)
         return buffer[page, offset]
 
-    def sequence_view(self, buffer: jax.Array) -> jax.Array:
-        """One layer's buffer as (batch, max_len, ...) rows per sequence: the buffer itself when dense,
-        a gather of every sequence's pages when paged (for the paths that read a dense layout)."""
-        return buffer if not self.paged else sequence_rows(buffer, self.pages)
-
     def locate(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Pool page and offset of rows (B, K) of each sequence (paged only). A row past the table
         reads its last page's entry clipped: callers keep rows < max_len."""

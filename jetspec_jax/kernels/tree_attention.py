@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.tree_attention_mosaic import MosaicTreeAttentionTuning, tree_attention_mosaic_splits
 from jetspec_jax.kernels.tree_attention_mosaic import unsupported_reason as mosaic_unsupported_reason
-from jetspec_jax.kv_cache import sequence_rows
+from jetspec_jax.kv_cache import check_page_size, sequence_rows
 
 WORD_BITS = 32
 
@@ -312,8 +312,7 @@ def tree_attention_splits(q_in: jax.Array, k: jax.Array, v: jax.Array, lengths: 
     else:
         (b, per_sequence), (_, page_size, hkv, d) = pages.shape, k.shape
         s = per_sequence * page_size
-        if page_size < 16 or page_size & (page_size - 1):
-            raise ValueError(f"the kernel reads pages of a power-of-two size >= 16, not {page_size}")
+        check_page_size(page_size)
         tuning = dataclasses.replace(tuning, block_k=min(tuning.block_k, page_size))
     group = num_heads // hkv
     blocked = head_blocked(num_nodes, block_rows)
