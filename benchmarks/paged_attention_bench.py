@@ -48,6 +48,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="tiny shapes (for the CPU)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="benchmarks/results/paged_attention.json")
+    p.add_argument("--models", nargs="+", choices=list(HEAD_SHAPES), default=list(HEAD_SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     impl = "pallas" if on_gpu else "pallas_interpret"
@@ -55,8 +57,9 @@ def main():
         grid = [("smollm2-135m", 1, 100, n, cap) for n in (1, 13) for cap in (None, 256)]
     else:
         grid = [("qwen3-8b", b, length, n, cap) for b, length, n, cap in
-                itertools.product((1, 8), (1024, 4096), (1, 64, 256), (None, 16384))]
-        grid += [("smollm2-135m", b, 1024, n, cap) for b, n, cap in itertools.product((1, 8), (1, 64), (None, 8192))]
+                itertools.product(args.batches, (1024, 4096), (1, 64, 256), (None, 16384))]
+        grid += [("smollm2-135m", b, 1024, n, cap) for b, n, cap in itertools.product(args.batches, (1, 64), (None, 8192))]
+        grid = [g for g in grid if g[0] in args.models]
     rows, payload = [], {"environment": environment(), "implementation": impl, "rows": None}
     payload["rows"] = rows
     rng = np.random.default_rng(0)

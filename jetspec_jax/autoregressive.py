@@ -50,12 +50,14 @@ def is_stop_token(tokens: jax.Array, eos_token_ids: tuple[int, ...]) -> jax.Arra
 def prefill(params: Any, prompt_tokens: jax.Array, prompt_lens: jax.Array, cfg: qwen3.Config,
             cache_len: int, *, tap_layers: tuple[int, ...] = (), page_size: int | None = None):
     """Runs the right-padded prompts through the target; returns (last-token logits (B, V), taps,
-    cache with lengths = prompt_lens), dense or with `page_size` paged."""
+    cache with lengths = prompt_lens), dense or with `page_size` paged. The cache is empty before the
+    prompts, so they attend causally among themselves alone ("prefill": no mask over the cache's
+    rows, cuDNN's fused kernel on GPU in bf16)."""
     b, p = prompt_tokens.shape
     cache = qwen3.new_cache(cfg, b, cache_len, params["embed"].dtype, page_size)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, taps, cache = qwen3.forward(params, prompt_tokens, positions, cache, cfg,
-                                        tap_layers=tap_layers, logits_indices=(prompt_lens - 1)[:, None])
+    logits, taps, cache = qwen3.forward(params, prompt_tokens, positions, cache, cfg, tap_layers=tap_layers,
+                                        logits_indices=(prompt_lens - 1)[:, None], attention_impl="prefill")
     return logits[:, 0], taps, cache._replace(lengths=prompt_lens.astype(jnp.int32))
 
 

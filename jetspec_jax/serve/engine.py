@@ -279,7 +279,7 @@ class Engine:
                 RowSampling.of(configs), limits, np.full(rows, start, np.int32),
                 None if self.pages is None else self.pages.table.copy())
         return args, dict(cfg=self.target.cfg, drafter=self.drafter, eos_token_ids=self.eos_token_ids,
-                          resume=start > 0, final=final)
+                          resume=start > 0, final=final, attention=self.attention)
 
     def _chunk_call(self, budget: int | None, rows: int, return_early: bool = False):
         """(the chunk program, its arguments) for a chunk of `rows` slot rows at `budget` (None or PLAIN:

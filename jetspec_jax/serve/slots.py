@@ -110,19 +110,21 @@ def _store_admitted(slots: Slots, indices: jax.Array, cache: KVCache) -> KVCache
                           pages=slots.cache.pages)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids", "resume", "final"),
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids", "resume", "final", "attention"),
                    donate_argnames=("slots",))
 def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax.Array, prompt_lens: jax.Array,
           seeds: jax.Array, sampling: RowSampling, limits: jax.Array, starts: jax.Array | None = None,
           pages: jax.Array | None = None, *, cfg: qwen3.Config, drafter, eos_token_ids: tuple[int, ...],
-          resume: bool = False, final: bool = True):
+          resume: bool = False, final: bool = True, attention: str = "auto"):
     """Prefills right-padded prompts (R, P) into slots `indices` (R,) and picks their first tokens; a row
     whose index is past the slots pads the batch and changes nothing. `seeds` (R, 2) uint32 are each
     request's 64-bit seed (sampling.seed_words), its key as sampling.request_keys makes it. Returns
     (slots, first tokens (R,), finished (R,)), finished meaning the request already ended.
     A long prompt comes in pieces (chunked prefill): `resume` appends the rows' tokens to what their
     slots hold, `starts` (R,) tokens, instead of starting afresh; a piece that is not `final` only fills
-    the cache and the head's context (the slot stays idle, first and finished are zeros).
+    the cache and the head's context (the slot stays idle, first and finished are zeros); its piece
+    attends to the cache through `attention` (kernels.attention; "auto": the kernel on GPU, which reads
+    only the slot's rows so far), a first piece or whole prompt causally to itself alone.
     A paged cache takes the host's whole page table `pages` (S, pages_per_sequence) first: pages it
     handed to these rows, and the scratch page for slots whose pages it took back, so no idle slot
     writes into pages another request now holds. The prompts go straight into the pool."""
@@ -135,7 +137,8 @@ def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax
         start = starts if resume else jnp.zeros((rows,), jnp.int32)
         positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
         logits, taps, cache = qwen3.forward(params, prompts, positions, _admitted_cache(slots, indices, start), cfg,
-                                            tap_layers=taps_wanted, logits_indices=(prompt_lens - 1)[:, None])
+                                            tap_layers=taps_wanted, logits_indices=(prompt_lens - 1)[:, None],
+                                            attention_impl=attention if resume else "prefill")
         logits, cache = logits[:, 0], cache._replace(lengths=start + prompt_lens)
     else:
         logits, taps, cache = prefill(params, prompts, prompt_lens, cfg, slots.cache.max_len, tap_layers=taps_wanted)
