@@ -43,7 +43,7 @@ def test_requests_share_the_pool_and_equal_offline_ar(target):
         engine.shutdown()
     assert [tokens for tokens, _ in results] == offline(target, None, "ar", prompts, limits)
     assert accepted_drafts(engine) > 0
-    # 14 pages of 16 rows; a request holds ceil((prompt + max_tokens + 8 scratch rows) / 16): 2, 4, 4, ...
+    # 14 pages of 16 rows; a request holds ceil((prompt + max_tokens + 16 scratch rows) / 16): 2, 4, 4, ...
     # and 13 for the long prompt, so requests waited for pages with a slot free
     assert any(waited)
     assert engine.metrics()["kv_pages_used"] == 0 and sorted(engine.pages.free) == list(range(1, 15))
@@ -51,9 +51,11 @@ def test_requests_share_the_pool_and_equal_offline_ar(target):
 
 def test_a_request_larger_than_the_pool_is_refused(target):
     engine = Engine(target, None, method="ar", slots=2, max_len=256, page_size=16, kv_pages=5)
-    with pytest.raises(ValueError, match=r"max_tokens: .* needs 7 cache pages of 16 rows and the server has 4"):
-        engine.submit(EngineRequest(prompt_of(40), 60))
-    engine.submit(EngineRequest(prompt_of(40), 20)).cancel()  # 61 rows: 4 pages
+    assert engine.max_context == 4 * 16 - 1  # the pool's rows less a step's scratch row: what the server offers
+    with pytest.raises(ValueError, match=r"max_tokens: .* exceeds the context of 63 tokens \(what 4 cache pages of "
+                                         r"16 rows hold\)"):
+        engine.submit(EngineRequest(prompt_of(40), 24))
+    engine.submit(EngineRequest(prompt_of(40), 23)).cancel()  # 64 rows with the scratch row: 4 pages
     engine.start()
     engine.shutdown()
     assert engine.pages.used == 0
@@ -84,3 +86,6 @@ def test_paged_settings_are_checked(target):
         Engine(target, None, method="ar", slots=2, max_len=128, kv_pages=10)
     with pytest.raises(ValueError, match="kv_pages must be an integer >= 2"):
         Engine(target, None, method="ar", slots=2, max_len=128, page_size=16, kv_pages=1)
+    with pytest.raises(ValueError, match="kv_pages=2 holds 16 rows, too few"):
+        Engine(target, random_head(target, "causal"), method="jetspec", slots=2, max_len=128, budget=16,
+               page_size=16, kv_pages=2)

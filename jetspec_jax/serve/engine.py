@@ -195,6 +195,11 @@ class Engine:
             per_slot = rows // page_size
             kv_pages = slots * per_slot + 1 if kv_pages is None else kv_pages
             self.pages = PageBook(kv_pages, slots, per_slot, page_size)
+            # a request must fit the pool alone (with a step's scratch rows), or it would wait forever
+            self.max_context = min(self.max_context, self.pages.usable * page_size - scratch)
+            if self.max_context < 2:
+                raise ValueError(f"kv_pages={kv_pages} holds {self.pages.usable * page_size} rows, too few for a "
+                                 f"prompt, a new token and a step's {scratch} scratch rows; give more pages")
         self.slots = device.new_slots(target.cfg, self.drafter, self.head_params, slots, rows, dtype,
                                       page_size, kv_pages)
         self.owner: list[RequestHandle | None] = [None] * slots
@@ -330,15 +335,11 @@ class Engine:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_new_tokens!r}")
         if prompt_len + max_new_tokens > self.max_context:
+            pool = "" if self.pages is None else (f" (what {self.pages.usable} cache pages of "
+                                                  f"{self.pages.page_size} rows hold)")
             raise ValueError(f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) "
-                             f"exceeds the context of {self.max_context} tokens; lower max_tokens or shorten "
-                             "the prompt")
-        if self.pages is not None:
-            needed = self.pages.pages_for(self.rows_reached(prompt_len, max_new_tokens))
-            if needed > self.pages.usable:
-                raise ValueError(f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) "
-                                 f"needs {needed} cache pages of {self.pages.page_size} rows and the server has "
-                                 f"{self.pages.usable}; lower max_tokens or shorten the prompt")
+                             f"exceeds the context of {self.max_context} tokens{pool}; lower max_tokens or "
+                             "shorten the prompt")
 
     def rows_reached(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache rows a request can write: its prompt and answer, and a step's scratch rows past them."""
