@@ -58,7 +58,8 @@ def main():
     else:
         grid = [("qwen3-8b", b, length, n, cap) for b, length, n, cap in
                 itertools.product(args.batches, (1024, 4096), (1, 64, 256), (None, 16384))]
-        grid += [("smollm2-135m", b, 1024, n, cap) for b, n, cap in itertools.product(args.batches, (1, 64), (None, 8192))]
+        grid += [("smollm2-135m", b, 1024, n, cap)
+                 for b, n, cap in itertools.product(args.batches, (1, 64), (None, 8192))]
         grid = [g for g in grid if g[0] in args.models]
     rows, payload = [], {"environment": environment(), "implementation": impl, "rows": None}
     payload["rows"] = rows
