@@ -22,12 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, target_and_head, write_json_atomic  # noqa: E402
-from serve_load import LiveServer, parse_variant  # noqa: E402
+from serve_load import LiveServer, add_server_flags, parse_variant  # noqa: E402
 
 from jetspec_jax import cache  # noqa: E402
 from jetspec_jax.eval.datasets import load_benchmark  # noqa: E402
 from jetspec_jax.eval.scoring import gsm8k_correct  # noqa: E402
-from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 
 async def ask_all(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[str]:
@@ -67,23 +66,11 @@ def score(variant: str, answers: list[str], references: list[str], offline: list
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--head", default=None, help="default: the head shipped for the target")
-    p.add_argument("--method", default="jetspec")
+    add_server_flags(p)
     p.add_argument("--variants", nargs="+", default=["ar", "32", "auto"], help="as serve_load.py's")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--limit", type=int, default=256, help="the first N GSM8K test questions")
     p.add_argument("--max-tokens", type=int, default=384)
-    p.add_argument("--slots", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--width", type=int, default=7)
-    p.add_argument("--chunk-steps", type=int, default=8)
-    p.add_argument("--max-admit", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--cost-table", default=None)
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
-    p.add_argument("--out", default=None)
-    cache.add_cache_flags(p)
     args = p.parse_args(argv)
     for variant in args.variants:
         parse_variant(variant)

@@ -45,6 +45,7 @@ from common import (environment, math_and_chat_prompts, print_table, target_and_
 
 from jetspec_jax import cache  # noqa: E402
 from jetspec_jax.compilation import CompileWatch  # noqa: E402
+from jetspec_jax.kv_cache import is_page_size  # noqa: E402
 from jetspec_jax.train.config import DEFAULT_DATA_DIR  # noqa: E402
 
 
@@ -95,6 +96,23 @@ class LiveServer:
         sys.setswitchinterval(self.switch_interval)
 
 
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The target, head, data and engine settings LiveServer reads from its `args`, and the cache flags."""
+    p.add_argument("--model", default=None)
+    p.add_argument("--head", default=None, help="default: the head shipped for the target")
+    p.add_argument("--method", default="jetspec")
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--width", type=int, default=7)
+    p.add_argument("--chunk-steps", type=int, default=8)
+    p.add_argument("--max-admit", type=int, default=8, help="prompts prefilled in one admission call")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="longer prompts are prefilled this many a call")
+    p.add_argument("--cost-table", default=None, help="for 'auto' (default: the shipped table, else online)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    p.add_argument("--out", default=None)
+    cache.add_cache_flags(p)
+
+
 def parse_variant(variant: str) -> dict:
     """NAME[/overlap][/steps=N][/switch=MS][/len=L][/paged=P]: NAME is ar, auto or a budget; `overlap`
     launches each chunk before reading the last; `steps=N` runs N steps a chunk (default --chunk-steps);
@@ -117,7 +135,7 @@ def parse_variant(variant: str) -> dict:
                 options["switch_ms"] = float(value)
             elif key == "len" and int(value) >= 64:
                 options["max_len"] = int(value)
-            elif key == "paged" and int(value) >= 16 and not int(value) & (int(value) - 1):
+            elif key == "paged" and is_page_size(int(value)):
                 options["page_size"] = int(value)
             else:
                 raise ValueError(suffix)
@@ -215,26 +233,14 @@ def summarise(variant, concurrency, results, wall, metrics, compiles: CompileWat
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--head", default=None, help="default: the head shipped for the target")
-    p.add_argument("--method", default="jetspec")
+    add_server_flags(p)
     p.add_argument("--variants", nargs="+", default=["ar", "16", "32", "64", "128", "auto"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16, 32])
     p.add_argument("--requests-per-level", type=int, default=3, help="timed requests = this x concurrency")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--slots", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--width", type=int, default=7)
-    p.add_argument("--chunk-steps", type=int, default=8)
-    p.add_argument("--max-admit", type=int, default=8, help="prompts prefilled in one admission call")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="longer prompts are prefilled this many a call")
-    p.add_argument("--cost-table", default=None, help="for 'auto' (default: the shipped table, else online)")
     p.add_argument("--offline-ar", action="store_true",
                    help="also time offline AR generation (api.generate) at each concurrency as the batch, on the "
                         "same prompts, and give the `ar` rows offline_throughput and server_over_offline")
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
-    p.add_argument("--out", default=None)
-    cache.add_cache_flags(p)
     args = p.parse_args(argv)
     for variant in args.variants:  # a bad one stops the run before the model loads
         parse_variant(variant)

@@ -32,17 +32,23 @@ class KVCache(NamedTuple):
 
     @staticmethod
     def create(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-               dtype=jnp.float32, page_size: int | None = None) -> "KVCache":
-        """A dense cache, or with `page_size` a paged one whose pool holds exactly the batch's pages
-        (sequence b owns pages b * pages_per_sequence ..), as offline generation uses it."""
+               dtype=jnp.float32, page_size: int | None = None, num_pages: int | None = None) -> "KVCache":
+        """A dense cache, or with `page_size` a paged one: by default its pool holds exactly the batch's
+        pages (sequence b owns pages b * pages_per_sequence ..), as offline generation uses it; with
+        `num_pages` a pool of that many whose table the caller fills (every entry at the scratch page),
+        as the server's."""
         if page_size is None:
             shape = (batch, max_len, num_kv_heads, head_dim)
             pages = None
         else:
             check_page_size(page_size)
             per_sequence = pages_for(max_len, page_size)
-            shape = (batch * per_sequence, page_size, num_kv_heads, head_dim)
-            pages = jnp.arange(batch * per_sequence, dtype=jnp.int32).reshape(batch, per_sequence)
+            if num_pages is None:
+                num_pages = batch * per_sequence
+                pages = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, per_sequence)
+            else:
+                pages = jnp.full((batch, per_sequence), SCRATCH_PAGE, jnp.int32)
+            shape = (num_pages, page_size, num_kv_heads, head_dim)
         return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                        lengths=jnp.zeros((batch,), jnp.int32), pages=pages)
@@ -103,9 +109,13 @@ def sequence_rows(pool: jax.Array, pages: jax.Array) -> jax.Array:
     return pool[pages].reshape((pages.shape[0], -1) + pool.shape[2:])
 
 
-def check_page_size(page_size: int) -> None:
+def is_page_size(page_size: int) -> bool:
     """The tree-attention kernel reads a page as whole blocks of a power-of-two size >= 16."""
-    if page_size < 16 or page_size & (page_size - 1):
+    return page_size >= 16 and not page_size & (page_size - 1)
+
+
+def check_page_size(page_size: int) -> None:
+    if not is_page_size(page_size):
         raise ValueError(f"page_size must be a power of two >= 16 (16, 32, 64, ...), got {page_size}")
 
 

@@ -311,9 +311,11 @@ def param_specs(cfg: Config) -> dict[str, Any]:
     return specs
 
 
-def new_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32, page_size: int | None = None) -> KVCache:
+def new_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32, page_size: int | None = None,
+              num_pages: int | None = None) -> KVCache:
     """Dense, or paged with `page_size` (kv_cache.KVCache.create)."""
-    return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, page_size)
+    return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, page_size,
+                          num_pages)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from jetspec_jax import cache
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
+from jetspec_jax.kv_cache import is_page_size
 from jetspec_jax.cli_loading import load_for_cli
 from jetspec_jax.serve.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                                       DEFAULT_MAX_CONNECTIONS)
@@ -114,7 +115,7 @@ def check_cli_settings(args) -> None:
                 if getattr(args, name) < 1]
     if args.kv_pages is not None and args.kv_page_size is None:
         problems.append("--kv-pages sizes a paged cache: give --kv-page-size too")
-    if args.kv_page_size is not None and (args.kv_page_size < 16 or args.kv_page_size & (args.kv_page_size - 1)):
+    if args.kv_page_size is not None and not is_page_size(args.kv_page_size):
         problems.append(f"--kv-page-size must be a power of two >= 16, got {args.kv_page_size}")
     if args.kv_pages is not None and args.kv_pages < 2:
         problems.append(f"--kv-pages must be >= 2 (one page is scratch), got {args.kv_pages}")

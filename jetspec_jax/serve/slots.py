@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jetspec_jax.autoregressive import is_stop_token, prefill
-from jetspec_jax.kv_cache import SCRATCH_PAGE, KVCache, pages_for, write_block
+from jetspec_jax.kv_cache import SCRATCH_PAGE, KVCache, write_block
 from jetspec_jax.models import qwen3
 from jetspec_jax.sampling import RowSampling, keys_of_seed_words, select_tokens
 from jetspec_jax.speculative import GEMM_BACKENDS, SpecConfig, speculative_cache_rows, speculative_step
@@ -55,13 +55,7 @@ def new_slots(cfg: qwen3.Config, drafter, drafter_params, num_slots: int, max_le
         return jnp.zeros((num_slots,), dtype)
 
     draft = None if drafter is None else drafter.init_state(drafter_params, num_slots, max_len, dtype)
-    if page_size is None:
-        cache = qwen3.new_cache(cfg, num_slots, max_len, dtype)
-    else:
-        pool = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        cache = KVCache(k=tuple(jnp.zeros(pool, dtype) for _ in range(cfg.num_layers)),
-                        v=tuple(jnp.zeros(pool, dtype) for _ in range(cfg.num_layers)), lengths=zeros(),
-                        pages=jnp.full((num_slots, pages_for(max_len, page_size)), SCRATCH_PAGE, jnp.int32))
+    cache = qwen3.new_cache(cfg, num_slots, max_len, dtype, page_size, num_pages)
     return Slots(cache=cache, draft=draft, anchor=zeros(), num=zeros(),
                  limit=zeros(), live=zeros(bool), keys=keys_of_seed_words(jnp.zeros((num_slots, 2), jnp.uint32)),
                  sampling=RowSampling(zeros(jnp.float32), zeros(), jnp.ones((num_slots,), jnp.float32)),
