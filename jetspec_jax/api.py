@@ -144,8 +144,9 @@ def generate(prompts: Sequence[str] | str, target: Target | None = None, **optio
     `candidate_budget` and `conditioned_width` are jetspec-tc's (all SpecConfig). `draft_attention` is
     the head's attention: "xla" (a dense mask over the head's context buffer), "pallas" (the tree
     kernel on GPU, reading each sequence's own rows; jetspec-tc's second pass too) or "auto" (pallas on
-    GPU, xla elsewhere). `kv_page_size` keeps the target's cache in pages of that many rows (a power of
-    two >= 16), the layout the server's shared pool uses; None keeps one dense buffer per sequence.
+    GPU, xla elsewhere). `kv_page_size` keeps the target's cache and the head's context in pages of that
+    many rows (a power of two >= 16), the layout the server's shared pool uses; None keeps one dense
+    buffer per sequence.
     """
     call = prepare_generate(prompts, target, **options)
     out, compile_s, run_s = compiled_call(call.fn, call.args, call.static)

@@ -25,7 +25,7 @@ class GenerationConfig:
     sampling: SamplingConfig = SamplingConfig()
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
-    kv_page_size: int | None = None  # the target cache's layout: dense, or paged with pages of this many rows
+    kv_page_size: int | None = None  # the caches' layout (target's, head's): dense, or pages of this many rows
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -162,7 +162,8 @@ def check_tree_causal_settings(method: str, budget: int, candidate_budget: int |
 
 @dataclasses.dataclass(frozen=True)
 class HeadDrafter:
-    """Drafts with a parallel draft head; its state is the head's context K/V cache."""
+    """Drafts with a parallel draft head; its state is the head's context K/V cache (a KVCache, as any
+    drafter's state is: the server's slots page it under the target's page table)."""
 
     cfg: draft_head.DraftConfig
     target_cfg: qwen3.Config
@@ -198,8 +199,14 @@ class HeadDrafter:
         """Rows the kernel path writes past the longest context: the block, or a tree-causal pass."""
         return 0 if self.attention_impl == "xla" else max(self.cfg.block_size, self.tree_slots)
 
-    def init_state(self, params, batch: int, max_len: int, dtype):
-        return draft_head.DraftContext.create(self.cfg, batch, max_len + self.kernel_rows, dtype)
+    def init_state(self, params, batch: int, max_len: int, dtype, page_size: int | None = None,
+                   num_pages: int | None = None):
+        """The head's context for sequences of `max_len` rows and the kernel path's rows past them; with
+        `page_size`, paged as the target's cache is. With `num_pages` (a pool whose table the caller
+        fills, as the server's, sharing the target's) the table spans `max_len` rows: the caller's pages
+        reach the kernel rows."""
+        rows = max_len if num_pages is not None else max_len + self.kernel_rows
+        return draft_head.new_context(self.cfg, batch, rows, dtype, page_size, num_pages)
 
     def observe(self, params, state, taps, counts):
         return draft_head.extend_context(params, state, taps, counts, self.cfg)
@@ -337,7 +344,7 @@ def _generate(params: Any, drafter_params: Any, prompt_tokens: jax.Array, prompt
 
     logits, taps, cache = prefill(params, prompt_tokens, prompt_lens, cfg, cache_len, tap_layers=taps_wanted,
                                   page_size=gen.kv_page_size)
-    state = drafter.init_state(drafter_params, b, cache_len, dtype)
+    state = drafter.init_state(drafter_params, b, cache_len, dtype, gen.kv_page_size)
     if taps_wanted:
         state = drafter.observe(drafter_params, state, taps, prompt_lens)
     keys, rows = row_keys(keys, b), RowSampling.uniform(gen.sampling, b)

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import qwen3
 
 
@@ -26,8 +27,9 @@ class TargetGreedyDrafter:
     def max_depth(self) -> int:
         return self.depth
 
-    def init_state(self, params, batch, max_len, dtype):
-        return jnp.zeros((batch,), jnp.int32)  # a row per sequence, as the server's slots keep a state
+    def init_state(self, params, batch, max_len, dtype, page_size=None, num_pages=None):
+        # a drafter's state is a KVCache (the server pages it with the target's table): one of no layers
+        return KVCache.create(0, batch, max_len, 1, 1, dtype, page_size, num_pages)
 
     def observe(self, params, state, taps, counts):
         return state

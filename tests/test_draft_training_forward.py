@@ -23,7 +23,7 @@ def test_training_logits_equal_inference_draft(tiny_qwen3, attention):
     anchors = jnp.asarray([[2, 7, 0, 11]])
     got = draft_head.training_logits(head, target.params, target.cfg, seq, taps, anchors, cfg)
     for j, a in enumerate(np.asarray(anchors[0])):
-        ctx = draft_head.DraftContext.create(cfg, 1, 64)
+        ctx = draft_head.new_context(cfg, 1, 64)
         ctx = draft_head.extend_context(head, ctx, taps[:, :a], jnp.asarray([a]), cfg) if a else ctx
         want = draft_head.draft_logits(head, target.params, target.cfg, seq[:, a], ctx, cfg)
         np.testing.assert_allclose(np.asarray(got[0, j]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
@@ -47,7 +47,7 @@ def test_training_tree_logits_equal_the_tree_pass_along_the_data(tiny_qwen3):
     np.testing.assert_allclose(np.asarray(got[:, :, 0]), np.asarray(block[:, :, 0]), rtol=1e-4, atol=1e-4)
     chain = jnp.arange(depth)
     for j, a in enumerate(np.asarray(anchors[0])):
-        ctx = draft_head.DraftContext.create(cfg, 1, 64)
+        ctx = draft_head.new_context(cfg, 1, 64)
         ctx = draft_head.extend_context(head, ctx, taps[:, :a], jnp.asarray([a]), cfg) if a else ctx
         tokens = seq[:, np.minimum(a + np.arange(depth), s - 1)]
         want = draft_head.tree_logits(head, target.params, target.cfg, tokens, chain[None],

@@ -118,3 +118,42 @@ def test_the_paged_kernel_lowers_to_a_valid_triton_module(shape, monkeypatch):
     for module in modules:
         assert module.operation.verify()
         assert "tt.dot" in str(module) and not tf32_dots(module)
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas_interpret"])
+def test_the_head_drafts_the_same_from_a_paged_context(tiny_qwen3, attention):
+    """The draft head's context paged (pages in a shuffled order) gives the dense context's draft
+    logits and jetspec-tc's tree logits: the context is extended across a page boundary and the kernel
+    path's block rows land past it in the pages."""
+    from drafters import random_head
+
+    from jetspec_jax.autoregressive import prefill
+    from jetspec_jax.models import draft_head
+
+    target = tiny_qwen3[0]
+    drafter, head = random_head(target.cfg, jax.random.key(4), attention="causal", num_layers=2)
+    cfg = drafter.cfg
+    seq = jnp.asarray(np.random.default_rng(2).integers(0, target.cfg.vocab_size, (2, 24)), jnp.int32)
+    lengths = jnp.asarray([24, 13])
+    _, taps, _ = prefill(target.params, seq, lengths, target.cfg, 64, tap_layers=cfg.tap_layers)
+    parents = np.array([-1, 0, 0, 1, 2, 3])
+    ancestors = np.eye(6, dtype=bool)
+    for i in range(1, 6):
+        ancestors[i] |= ancestors[parents[i]]
+    tree_tokens = jnp.asarray([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]], jnp.int32)
+    depths = jnp.broadcast_to(jnp.asarray(ancestors.sum(-1) - 1), (2, 6))
+    outs = []
+    for page_size in (None, 16):
+        ctx = draft_head.new_context(cfg, 2, 64, page_size=page_size)
+        if page_size:
+            ctx = shuffled_pages(ctx, seed=3)
+            assert ctx.paged and ctx.k[0].shape[:2] == (9, 16)
+        ctx = draft_head.extend_context(head, ctx, taps[:, :20], jnp.asarray([20, 12]), cfg)
+        ctx = draft_head.extend_context(head, ctx, taps[:, 20:], jnp.asarray([3, 0]), cfg)  # across row 16 and 32
+        outs.append(draft_head.draft_logits(head, target.params, target.cfg, seq[:, 0], ctx, cfg,
+                                            attention_impl=attention))
+        outs.append(draft_head.tree_logits(head, target.params, target.cfg, tree_tokens, depths,
+                                           jnp.broadcast_to(jnp.asarray(ancestors), (2, 6, 6)), ctx, cfg,
+                                           attention_impl=attention))
+    np.testing.assert_allclose(np.asarray(outs[2]), np.asarray(outs[0]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(outs[3]), np.asarray(outs[1]), atol=1e-5, rtol=1e-5)

@@ -46,7 +46,7 @@ def full_log_softmax(target, seq, width=32):
 
 def alone(drafter, head, taps, lengths, b):
     """Row b's head context on its own (batch 1): its prompt's taps, the padding rows uncommitted."""
-    ctx = draft_head.DraftContext.create(drafter.cfg, 1, taps.shape[1])
+    ctx = draft_head.new_context(drafter.cfg, 1, taps.shape[1])
     return extend_context(head, ctx, taps[b: b + 1], lengths[b: b + 1], drafter.cfg)
 
 

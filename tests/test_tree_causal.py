@@ -62,7 +62,7 @@ def head_and_context(tiny_qwen3):
     seq = jnp.asarray([[3, 9, 27, 81, 14, 42, 5, 6, 7, 8, 11], [4, 8, 15, 16, 23, 42, 0, 0, 0, 0, 0]])
     lengths = jnp.asarray([11, 6])
     _, taps, _ = prefill(target.params, seq, lengths, target.cfg, 32, tap_layers=drafter.cfg.tap_layers)
-    ctx = draft_head.DraftContext.create(drafter.cfg, 2, 32)  # rows past the context: the kernel path's block
+    ctx = draft_head.new_context(drafter.cfg, 2, 32)  # rows past the context: the kernel path's block
     ctx = draft_head.extend_context(head, ctx, taps, lengths - 1, drafter.cfg)
     return target, drafter, head, ctx, jnp.asarray([11, 42])
 
@@ -70,8 +70,7 @@ def head_and_context(tiny_qwen3):
 def path_alone_logits(target, cfg, head, ctx, b: int, tokens: list[int]) -> np.ndarray:
     """The plain causal block [anchor, path tokens..., MASK] of sequence b alone: its last slot's logits."""
     n = len(tokens) + 1
-    one = draft_head.DraftContext(tuple(k[b: b + 1] for k in ctx.k), tuple(v[b: b + 1] for v in ctx.v),
-                                  ctx.lengths[b: b + 1])
+    one = jax.tree.map(lambda a: a[b: b + 1], ctx)
     x = draft_head.slot_embeddings(head, target.params, jnp.asarray([tokens + [0]]),
                                    jnp.asarray([[False] * (n - 1) + [True]]), cfg)
     hidden = draft_head.block_hidden(head, x, jnp.arange(n)[None], jnp.tril(jnp.ones((n, n), bool)), one, cfg)

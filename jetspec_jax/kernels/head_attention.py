@@ -2,9 +2,10 @@
 token) and to the slots of their own block. Which implementation runs is this module's decision, from
 the platform, the head's shape and the caller's preference; the head's forward only calls the entries.
 
-Inference (`block_visibility`, then `context_block_attention` in each layer): "xla" scores one dense
-mask over [context ; block]; "pallas" (and "pallas_interpret") writes the block past each context in a
-copy of the context buffer and runs the tree-attention kernel, the block mask as a tree's. Training
+Inference (`block_visibility`, then `context_block_attention` in each layer) over the head's context
+cache, dense or paged: "xla" scores one dense mask over [context ; block]; "pallas" (and
+"pallas_interpret") writes the block past each context in a copy of the context buffer (or pool) and
+runs the tree-attention kernel, the block mask as a tree's. Training
 (`anchored_attention`): K blocks per sequence, block j seeing the context before its anchor; "xla"
 scores anchor chunks densely, "pallas" runs the context part through the prefix-attention kernels.
 """
@@ -21,7 +22,7 @@ from jetspec_jax.kernels import precision
 from jetspec_jax.kernels.attention import attention_scores_softmax
 from jetspec_jax.kernels.prefix_attention import prefix_attention, prefix_attention_supported
 from jetspec_jax.kernels.tree_attention import pack_tree_mask, tree_attention
-from jetspec_jax.kv_cache import write_block
+from jetspec_jax.kv_cache import KVCache, sequence_rows
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
 
@@ -76,18 +77,21 @@ def block_visibility(ctx_lengths: jax.Array, ctx_rows: int, block_mask: jax.Arra
     return BlockVisibility(implementation, None, pack_tree_mask(block_mask))
 
 
-def context_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
-                            ctx_lengths: jax.Array, visibility: BlockVisibility) -> jax.Array:
-    """q (B, T, H, hd) and the block's own k/v (B, T, Hkv, hd) against the context buffers ctx_k/ctx_v
-    (B, C, Hkv, hd) -> (B, T, H, hd) in q's dtype."""
+def context_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, ctx: KVCache, layer: int,
+                            visibility: BlockVisibility) -> jax.Array:
+    """q (B, T, H, hd) and the block's own k/v (B, T, Hkv, hd) against head layer `layer` of the context
+    cache `ctx` (dense or paged) -> (B, T, H, hd) in q's dtype."""
+    ctx_k, ctx_v = ctx.k[layer], ctx.v[layer]
     if visibility.implementation == "xla":
+        if ctx.paged:
+            ctx_k, ctx_v = sequence_rows(ctx_k, ctx.pages), sequence_rows(ctx_v, ctx.pages)
         keys = jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], axis=1)
         values = jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], axis=1)
         return attention_scores_softmax(q, keys, values, visibility.dense)
     # the block goes past the committed context: scratch rows that extend_context overwrites
-    keys, values = write_block(ctx_k, k, ctx_lengths), write_block(ctx_v, v, ctx_lengths)
-    out = tree_attention(q.astype(keys.dtype), keys, values, ctx_lengths, visibility.block_words,
-                         implementation=visibility.implementation)
+    keys, values = ctx.write(ctx_k, k, ctx.lengths), ctx.write(ctx_v, v, ctx.lengths)
+    out = tree_attention(q.astype(keys.dtype), keys, values, ctx.lengths, visibility.block_words,
+                         implementation=visibility.implementation, pages=ctx.pages)
     return out.astype(q.dtype)
 
 

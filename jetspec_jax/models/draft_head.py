@@ -11,22 +11,22 @@ context length + depth, under any per-sequence block mask. `tree_logits` is the 
 (jetspec-tc): every node of a drafted tree sees only its own ancestors, and gets its children's
 distribution conditioned on its path.
 
-Context keys/values are cached per sequence (`DraftContext`) and extended as tokens are committed;
-block slots are never cached. Attention runs through kernels/head_attention.py, which decides the
-implementation.
+Context keys/values are cached per sequence (`new_context`: a kv_cache.KVCache over the head's layers,
+dense or paged) and extended as tokens are committed; block slots are never cached. Attention runs
+through kernels/head_attention.py, which decides the implementation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.kernels import head_attention, precision
-from jetspec_jax.kv_cache import write_block
+from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import qwen3
 from jetspec_jax.models.params import ParamSpec
 from jetspec_jax.tree import ancestor_mask, tree_causal_block
@@ -167,19 +167,11 @@ def param_specs(cfg: DraftConfig) -> dict[str, Any]:
     return specs
 
 
-class DraftContext(NamedTuple):
-    """Projected context keys/values of committed tokens, per head layer: (B, C, Hkv, hd)."""
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    lengths: jax.Array  # (B,) context rows per sequence = committed tokens - 1
-
-    @staticmethod
-    def create(cfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float32) -> "DraftContext":
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return DraftContext(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                            lengths=jnp.zeros((batch,), jnp.int32))
+def new_context(cfg: DraftConfig, batch: int, max_len: int, dtype=jnp.float32, page_size: int | None = None,
+                num_pages: int | None = None) -> KVCache:
+    """An empty head context: projected context keys/values of committed tokens per head layer, its
+    `lengths` counting context rows (committed tokens - 1). Dense, or paged as KVCache.create lays out."""
+    return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, page_size, num_pages)
 
 
 def fuse_taps(params: Mapping[str, Any], taps: jax.Array, cfg: DraftConfig) -> jax.Array:
@@ -198,8 +190,8 @@ def context_kv(layer: Mapping[str, jax.Array], fused: jax.Array, cos: jax.Array,
     return k, v
 
 
-def extend_context(params: Mapping[str, Any], ctx: DraftContext, taps: jax.Array, counts: jax.Array,
-                   cfg: DraftConfig) -> DraftContext:
+def extend_context(params: Mapping[str, Any], ctx: KVCache, taps: jax.Array, counts: jax.Array,
+                   cfg: DraftConfig) -> KVCache:
     """Appends the first counts[b] rows of taps (B, n, n_taps, D_target) to the context, at positions
     ctx.lengths .. ctx.lengths + counts - 1. Rows past counts are written but stay uncommitted."""
     b, n = taps.shape[:2]
@@ -209,19 +201,19 @@ def extend_context(params: Mapping[str, Any], ctx: DraftContext, taps: jax.Array
     new_k, new_v = list(ctx.k), list(ctx.v)
     for i, layer in enumerate(params["layers"]):
         k, v = context_kv(layer, fused, cos, sin, cfg)
-        new_k[i] = write_block(new_k[i], k, ctx.lengths)
-        new_v[i] = write_block(new_v[i], v, ctx.lengths)
-    return DraftContext(tuple(new_k), tuple(new_v), ctx.lengths + counts.astype(jnp.int32))
+        new_k[i] = ctx.write(new_k[i], k, ctx.lengths)
+        new_v[i] = ctx.write(new_v[i], v, ctx.lengths)
+    return ctx._replace(k=tuple(new_k), v=tuple(new_v)).advance(counts)
 
 
-def head_layer(x: jax.Array, layer: Mapping[str, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
-               ctx_lengths: jax.Array, visibility: head_attention.BlockVisibility, cos: jax.Array, sin: jax.Array,
+def head_layer(x: jax.Array, layer: Mapping[str, jax.Array], ctx: KVCache, index: int,
+               visibility: head_attention.BlockVisibility, cos: jax.Array, sin: jax.Array,
                cfg: DraftConfig) -> jax.Array:
-    """One decoder layer for block queries x (B, T, D) against [context keys ; block keys], each slot
+    """Head layer `index` for block queries x (B, T, D) against [context keys ; block keys], each slot
     seeing what `visibility` allows."""
     layer_cfg = cfg.layer_config()
     q, k, v = qwen3.attention_inputs(x, layer, layer_cfg, cos, sin)
-    attn = head_attention.context_block_attention(q, k, v, ctx_k, ctx_v, ctx_lengths, visibility)
+    attn = head_attention.context_block_attention(q, k, v, ctx, index, visibility)
     return qwen3.finish_layer(x, attn, layer, layer_cfg, 0)
 
 
@@ -245,7 +237,7 @@ def slot_embeddings(params: Mapping[str, Any], target_params: Mapping[str, Any],
 
 
 def block_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, block_mask: jax.Array,
-                 ctx: DraftContext, cfg: DraftConfig, attention_impl: str = "xla") -> jax.Array:
+                 ctx: KVCache, cfg: DraftConfig, attention_impl: str = "xla") -> jax.Array:
     """The head's layers over block slots x (B, T, D) at positions ctx.lengths + depths (B, T): every
     slot sees the committed context and the slots block_mask (B, T, T) allows. attention_impl: a
     head_attention implementation, resolved ("pallas" needs T rows free past every ctx.lengths).
@@ -254,9 +246,9 @@ def block_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, blo
     positions = ctx.lengths[:, None] + depths
     cos, sin = qwen3.rope_tables(positions, qwen3.rope_inverse_frequencies(cfg.layer_config()))
     block_mask = jnp.broadcast_to(block_mask.astype(bool), (b, t, t))
-    visibility = head_attention.block_visibility(ctx.lengths, ctx.k[0].shape[1], block_mask, attention_impl)
+    visibility = head_attention.block_visibility(ctx.lengths, ctx.max_len, block_mask, attention_impl)
     for i, layer in enumerate(params["layers"]):
-        x = head_layer(x, layer, ctx.k[i], ctx.v[i], ctx.lengths, visibility, cos, sin, cfg)
+        x = head_layer(x, layer, ctx, i, visibility, cos, sin, cfg)
     return x
 
 
@@ -269,7 +261,7 @@ def slot_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], tar
 
 
 def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
-                 anchor: jax.Array, ctx: DraftContext, cfg: DraftConfig, *,
+                 anchor: jax.Array, ctx: KVCache, cfg: DraftConfig, *,
                  block_mask: jax.Array | None = None, num_depths: int | None = None,
                  attention_impl: str = "xla") -> jax.Array:
     """One head pass over [anchor, MASK...] at positions ctx.lengths + i.
@@ -288,7 +280,7 @@ def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], ta
 
 
 def tree_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
-                tokens: jax.Array, depths: jax.Array, ancestors: jax.Array, ctx: DraftContext, cfg: DraftConfig, *,
+                tokens: jax.Array, depths: jax.Array, ancestors: jax.Array, ctx: KVCache, cfg: DraftConfig, *,
                 attention_impl: str = "xla") -> jax.Array:
     """The tree-causal head pass: for every node of a token tree, the head's distribution of its
     children given the path from the anchor to it (`tree.tree_causal_block`: a node slot and a query

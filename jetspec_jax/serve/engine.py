@@ -139,8 +139,9 @@ class Engine:
         run, while a loop of known trip count returns at once and the host's work between chunks
         overlaps the device's. A slot that ends then idles to the end of its chunk and the one launched
         behind it.
-        With `page_size` the target's cache is one pool of `kv_pages` pages of that many rows (default:
-        as many rows as the dense cache, slots x max_len) that requests share (kv_cache.KVCache, pages.py):
+        With `page_size` the target's cache (and the head's context, under the same page table) is one
+        pool of `kv_pages` pages of that many rows (default: as many rows as the dense cache, slots x
+        max_len) that requests share (kv_cache.KVCache, pages.py):
         a request holds the pages its prompt + max_tokens can reach, so a large `max_len` costs memory
         only for the requests that use it, and one waits in the queue while too few pages are free.
         The engine decodes with the target's weights in the decode layout (qwen3.fuse_for_decode): a copy,
@@ -182,6 +183,8 @@ class Engine:
         scratch = max([1] + [device.scratch_rows(s, s.depth(self.drafter.max_depth)) for s in specs])  # validates
         if page_size is not None:
             check_page_size(page_size)
+            if self.drafter is not None:  # the head's context shares a request's pages: its kernel rows too
+                scratch = max(scratch, self.drafter.kernel_rows)
         elif kv_pages is not None:
             raise ValueError("kv_pages sizes a paged cache: give page_size too")
         align = max(64, page_size or 0)  # whole pages of a slot's rows (both powers of two)

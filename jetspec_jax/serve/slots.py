@@ -50,11 +50,14 @@ def scratch_rows(spec: SpecConfig | None, depth: int) -> int:
 def new_slots(cfg: qwen3.Config, drafter, drafter_params, num_slots: int, max_len: int, dtype,
               page_size: int | None = None, num_pages: int | None = None) -> Slots:
     """Free slots over a dense cache (max_len rows a slot), or with `page_size` over a pool of
-    `num_pages` pages that the host hands out (every table entry starts at the scratch page)."""
+    `num_pages` pages that the host hands out (every table entry starts at the scratch page). A paged
+    engine's head context is a pool of as many pages under the same table: a request's pages hold its
+    rows of both (the host's pages reach the head's kernel rows too)."""
     def zeros(dtype=jnp.int32):  # a buffer per field: the chunk donates them all
         return jnp.zeros((num_slots,), dtype)
 
-    draft = None if drafter is None else drafter.init_state(drafter_params, num_slots, max_len, dtype)
+    draft = None if drafter is None else drafter.init_state(drafter_params, num_slots, max_len, dtype, page_size,
+                                                            num_pages)
     cache = qwen3.new_cache(cfg, num_slots, max_len, dtype, page_size, num_pages)
     return Slots(cache=cache, draft=draft, anchor=zeros(), num=zeros(),
                  limit=zeros(), live=zeros(bool), keys=keys_of_seed_words(jnp.zeros((num_slots, 2), jnp.uint32)),
@@ -74,20 +77,25 @@ def _take_rows(tree, indices):
 
 
 def _without_pool(slots: Slots) -> tuple[Slots, tuple | None]:
-    """(slots whose every leaf has the slot axis first, the paged pool's (k, v) taken out, or None)."""
+    """(slots whose every leaf has the slot axis first, the paged pools' (k, v) of the target cache and
+    the head's context taken out, or None)."""
     if not slots.cache.paged:
         return slots, None
-    return slots._replace(cache=slots.cache._replace(k=(), v=())), (slots.cache.k, slots.cache.v)
+    caches = {"cache": slots.cache} | ({} if slots.draft is None else {"draft": slots.draft})
+    return (slots._replace(**{name: c._replace(k=(), v=()) for name, c in caches.items()}),
+            {name: (c.k, c.v) for name, c in caches.items()})
 
 
-def _with_pool(slots: Slots, pool: tuple | None) -> Slots:
-    return slots if pool is None else slots._replace(cache=slots.cache._replace(k=pool[0], v=pool[1]))
+def _with_pool(slots: Slots, pool: dict | None) -> Slots:
+    if pool is None:
+        return slots
+    return slots._replace(**{name: getattr(slots, name)._replace(k=k, v=v) for name, (k, v) in pool.items()})
 
 
-def _admitted_cache(slots: Slots, indices: jax.Array, lengths: jax.Array) -> KVCache:
-    """The admitted rows' view of the target cache, at `lengths`: their own rows of a dense cache (copied
-    out), or the shared pool with their page-table rows (a padding row's pages are the scratch page)."""
-    cache = slots.cache
+def _admitted_cache(cache: KVCache, indices: jax.Array, lengths: jax.Array) -> KVCache:
+    """The admitted rows' view of a slots' cache (the target's or the head's), at `lengths`: their own
+    rows of a dense cache (copied out), or the shared pool with their page-table rows (a padding row's
+    pages are the scratch page)."""
     if not cache.paged:
         return _take_rows(cache, indices)._replace(lengths=lengths)
     real = indices < cache.batch
@@ -95,13 +103,12 @@ def _admitted_cache(slots: Slots, indices: jax.Array, lengths: jax.Array) -> KVC
     return cache._replace(lengths=lengths, pages=pages)
 
 
-def _store_admitted(slots: Slots, indices: jax.Array, cache: KVCache) -> KVCache:
-    """The slots' cache after the admitted rows' forward wrote `cache`: the rows set back into a dense
+def _store_admitted(full: KVCache, indices: jax.Array, cache: KVCache) -> KVCache:
+    """The slots' cache `full` after the admitted rows' pass wrote `cache`: the rows set back into a dense
     cache, or the pool (written in place) with the rows' lengths."""
     if not cache.paged:
-        return _set_rows(slots.cache, indices, cache)
-    return cache._replace(lengths=slots.cache.lengths.at[indices].set(cache.lengths, mode="drop"),
-                          pages=slots.cache.pages)
+        return _set_rows(full, indices, cache)
+    return cache._replace(lengths=full.lengths.at[indices].set(cache.lengths, mode="drop"), pages=full.pages)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "eos_token_ids", "resume", "final", "attention"),
@@ -121,33 +128,33 @@ def admit(params, drafter_params, slots: Slots, indices: jax.Array, prompts: jax
     only the slot's rows so far), a first piece or whole prompt causally to itself alone.
     A paged cache takes the host's whole page table `pages` (S, pages_per_sequence) first: pages it
     handed to these rows, and the scratch page for slots whose pages it took back, so no idle slot
-    writes into pages another request now holds. The prompts go straight into the pool."""
+    writes into pages another request now holds; the head's context reads the same table. The prompts
+    go straight into the pools."""
     params = qwen3.fuse_for_decode(params)
     rows, width = prompts.shape
     taps_wanted = () if drafter is None else tuple(drafter.tap_layers)
     if pages is not None:
-        slots = slots._replace(cache=slots.cache._replace(pages=pages.astype(jnp.int32)))
+        table = pages.astype(jnp.int32)
+        slots = slots._replace(cache=slots.cache._replace(pages=table),
+                               draft=None if slots.draft is None else slots.draft._replace(pages=table))
     if resume or slots.cache.paged:
         start = starts if resume else jnp.zeros((rows,), jnp.int32)
         positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
-        logits, taps, cache = qwen3.forward(params, prompts, positions, _admitted_cache(slots, indices, start), cfg,
+        admitted = _admitted_cache(slots.cache, indices, start)
+        logits, taps, cache = qwen3.forward(params, prompts, positions, admitted, cfg,
                                             tap_layers=taps_wanted, logits_indices=(prompt_lens - 1)[:, None],
                                             attention_impl=attention if resume else "prefill")
         logits, cache = logits[:, 0], cache._replace(lengths=start + prompt_lens)
     else:
         logits, taps, cache = prefill(params, prompts, prompt_lens, cfg, slots.cache.max_len, tap_layers=taps_wanted)
-    if drafter is None:
-        state = None
-    elif resume:
-        state = _take_rows(slots.draft, indices)
-    else:
-        state = drafter.init_state(drafter_params, rows, slots.cache.max_len, params["embed"].dtype)
     draft = slots.draft
     if drafter is not None:
+        context = jnp.take(draft.lengths, indices, mode="clip") if resume else jnp.zeros((rows,), jnp.int32)
+        state = _admitted_cache(draft, indices, context)
         if taps_wanted:
             state = drafter.observe(drafter_params, state, taps, prompt_lens)
-        draft = _set_rows(draft, indices, state)
-    slots = slots._replace(cache=_store_admitted(slots, indices, cache), draft=draft)
+        draft = _store_admitted(draft, indices, state)
+    slots = slots._replace(cache=_store_admitted(slots.cache, indices, cache), draft=draft)
     zeros = jnp.zeros((rows,), jnp.int32)
     if not final:
         return slots, zeros, zeros.astype(bool)
