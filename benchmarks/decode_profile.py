@@ -16,16 +16,12 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import time_call  # noqa: E402
+from shapes import SMOLLM2_135M  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
 from jetspec_jax.target import default_dtype  # noqa: E402
-
-SMOLLM2_135M = qwen3.Config(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30,
-                            num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
-                            rms_norm_eps=1e-5, rope_theta=100000.0, qk_norm=False, tie_embeddings=True,
-                            max_position_embeddings=8192)
 
 
 def entry_kernels(compiled_text: str) -> collections.Counter:

@@ -36,6 +36,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
+from shapes import QWEN3_8B  # noqa: E402
 
 from jetspec_jax.autoregressive import GenerationConfig, prefill  # noqa: E402
 from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path  # noqa: E402
@@ -52,8 +53,6 @@ from jetspec_jax.kernels.tree_build import build_trees  # noqa: E402
 from jetspec_jax.tree import top_candidates  # noqa: E402
 from jetspec_jax.verify import accept, compact_cache, verify_tree  # noqa: E402
 
-QWEN3_8B = qwen3.Config(architecture="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
-                        num_kv_heads=8, head_dim=128, intermediate_size=12288, rope_theta=1e6)
 
 
 def per_iteration_ms(body, init, iters: int, *inputs) -> float:

@@ -36,8 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json_atomic  # noqa: E402
-from decode_profile import SMOLLM2_135M  # noqa: E402
-from spec_step_breakdown import QWEN3_8B  # noqa: E402
+from shapes import QWEN3_8B, SMOLLM2_135M  # noqa: E402
 
 from jetspec_jax import sharding  # noqa: E402
 from jetspec_jax.models import qwen3  # noqa: E402
