@@ -93,16 +93,17 @@ def test_paged_settings_are_checked(target):
 
 def test_the_head_s_context_is_paged_with_the_target_s_cache(target):
     """A paged engine keeps the draft head's context in a pool under the target's page table: sampled
-    requests with a real (random) head draw the dense engine's very tokens and accept the very same
-    drafts, so the head drafted the same from its pages."""
+    requests with a real (random) head, one prompt prefilled in pieces, draw the dense engine's very
+    tokens and accept the very same drafts, so the head drafted the same from its pages."""
     head = random_head(target, "causal", seed=5)
-    prompts, limits = PROMPTS[:4], [20, 24, 16, 20]
+    prompts, limits = PROMPTS[:3] + [prompt_of(150)], [20, 24, 16, 20]
     runs = {}
     for page_size in (None, 16):
-        engine = Engine(target, head, method="jetspec", slots=2, max_len=128, budget=8, width=3, chunk_steps=4,
-                        stop_token_ids=(EOS,), page_size=page_size, kv_pages=None if page_size is None else 12)
+        engine = Engine(target, head, method="jetspec", slots=2, max_len=256, budget=8, width=3, chunk_steps=4,
+                        stop_token_ids=(EOS,), prefill_chunk=64, page_size=page_size,
+                        kv_pages=None if page_size is None else 24)
         if page_size:
-            assert engine.slots.draft.paged and engine.slots.draft.k[0].shape[:2] == (12, 16)
+            assert engine.slots.draft.paged and engine.slots.draft.k[0].shape[:2] == (24, 16)
         engine.stats.history = []  # each chunk's accepted drafts
         try:
             handles = [engine.submit(EngineRequest(p, m, SamplingParams(temperature=1.0, seed=i)))
