@@ -176,8 +176,11 @@ def main():
     payload["rows"] = rows
     write_json_atomic(args.out, payload)
     print_table(rows, columns)
-    if out_of_time():
-        print(f"stopped at the {args.minutes}-minute box; run again with the same --out to go on")
+    measured = {tuple(r[k] for k in KEY) for r in rows}
+    left = [(m, b, c, budget) for m in args.models for b in args.batches for c in args.contexts
+            for budget in args.budgets if (m, b, c, budget) not in measured]
+    if left:
+        print(f"{len(left)} rows left at the {args.minutes}-minute box; run again with the same --out to go on")
 
 
 if __name__ == "__main__":
