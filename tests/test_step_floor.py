@@ -44,11 +44,11 @@ def test_a_grid_is_measured_and_resumed(tmp_path):
     base = [sys.executable, os.path.join(BENCHMARKS, "step_floor.py"), "--models", "smollm2-135m-shaped",
             "--target-layers", "4", "--head-layers", "1", "--contexts", "16", "--new-tokens", "3", "--quick",
             "--out", str(out)]
-    for budgets in (["4"], ["4", "8"]):
-        done = subprocess.run(base + ["--budgets", *budgets], capture_output=True, text=True, timeout=600)
+    for _ in range(2):
+        done = subprocess.run(base + ["--budgets", "4"], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert [(r["budget"], r["run"]) for r in result["rows"]] == [(4, 0), (8, 1)]  # budget 4 kept, not rerun
+    assert [(r["budget"], r["run"]) for r in result["rows"]] == [(4, 0)]  # kept by the second run, not measured again
     assert len(result["runs"]) == 2 and all(r["ceilings"]["copy_bytes_per_s"] > 0 for r in result["runs"])
     for row in result["rows"]:
         assert row["loop_step_ms"] > 0 and row["ar_step_ms"] > 0 and row["floor_step_ms"] > row["floor_ar_ms"]
