@@ -76,7 +76,7 @@ def _take_rows(tree, indices):
     return jax.tree.map(lambda a: jnp.take(a, indices, axis=0, mode="clip"), tree)
 
 
-def _without_pool(slots: Slots) -> tuple[Slots, tuple | None]:
+def _without_pool(slots: Slots) -> tuple[Slots, dict | None]:
     """(slots whose every leaf has the slot axis first, the paged pools' (k, v) of the target cache and
     the head's context taken out, or None)."""
     if not slots.cache.paged:
