@@ -65,10 +65,11 @@ def pass_cost(cfg: qwen3.Config, tokens_per_row: int, rows: int, context: int, i
 
 
 def draft_pass_cost(head: draft_head.DraftConfig, target: qwen3.Config, rows: int, context: int,
-                    itemsize: int = 2) -> tuple[int, int]:
+                    itemsize: int = 2, draft_vocab: int | None = None) -> tuple[int, int]:
     """(bytes, FLOPs) of one head pass over a block of every row: the head's weights and the target's LM
-    head read once, the head's context keys and values read once, every depth's logits written in fp32.
-    The fc projection of new taps is left out (it runs on the accepted path's few rows)."""
+    head (its `draft_vocab` rows, given one) read once, the head's context keys and values read once, every
+    depth's logits written in fp32. The fc projection of new taps is left out (it runs on the accepted
+    path's few rows)."""
     slots = rows * head.block_size
     weight_bytes, flops = 0, 0
     for path, spec in flatten_specs(draft_head.param_specs(head)).items():
@@ -78,10 +79,11 @@ def draft_pass_cost(head: draft_head.DraftConfig, target: qwen3.Config, rows: in
         weight_bytes += size * itemsize
         if len(spec.shape) == 2:
             flops += 2 * slots * size
-    lm_head = target.vocab_size * target.hidden_size
+    vocab = draft_vocab or target.vocab_size
+    lm_head = vocab * target.hidden_size
     kv_row = 2 * head.num_kv_heads * head.head_dim * itemsize * head.num_layers
     attention_flops = 4 * slots * (context + head.block_size) * head.num_heads * head.head_dim * head.num_layers
-    nbytes = weight_bytes + lm_head * itemsize + rows * context * kv_row + slots * target.vocab_size * 4
+    nbytes = weight_bytes + lm_head * itemsize + rows * context * kv_row + slots * vocab * 4
     return nbytes, flops + 2 * slots * lm_head + attention_flops
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
 from shapes import SHAPES, draft_pass_cost, floor_ms, pass_cost, touched_experts  # noqa: E402
 
+from jetspec_jax import draft_vocab  # noqa: E402
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
 from jetspec_jax.models import draft_head, qwen3  # noqa: E402
 from jetspec_jax.models.params import init_params  # noqa: E402
@@ -45,7 +46,7 @@ from jetspec_jax.speculative import HeadDrafter, SpecConfig, speculative_cache_r
 from jetspec_jax.target import default_dtype  # noqa: E402
 from jetspec_jax.tokens import plan_cache_len  # noqa: E402
 
-KEY = ("model", "batch", "context", "budget")
+KEY = ("model", "batch", "context", "budget", "draft_vocab")  # draft_vocab None: the whole vocabulary
 
 
 def device_ceilings(quick: bool) -> dict[str, float]:
@@ -63,15 +64,19 @@ def device_ceilings(quick: bool) -> dict[str, float]:
 
 
 def load_model(name: str, dtype, head_layers: int | None, target_layers: int | None):
-    """(target cfg, target params, head cfg, head params, description) of a shape with random weights (the
-    first `target_layers` of them, for a quick check), or of the embedded target with its shipped head."""
+    """(target cfg, target params, head cfg, head params, description, narrow) of a shape with random weights
+    (the first `target_layers` of them, for a quick check), or of the embedded target with its shipped head;
+    `narrow(n)` is the head's params drafting over n tokens (the shipped counts' most frequent, or a
+    shape's first n: a pass's time does not depend on which)."""
     if name == "embedded":
         from jetspec_jax.loading.head_checkpoint import load_head, packaged_head_path
         from jetspec_jax.target import load_target
 
         target = load_target(dtype=dtype, with_tokenizer=False)
-        head_cfg, head = load_head(packaged_head_path(target, "jetspec"), dtype)
-        return target.cfg, target.params, head_cfg, head, f"{os.path.basename(target.source)}, shipped JetSpec head"
+        path = packaged_head_path(target, "jetspec")
+        head_cfg, head = load_head(path, dtype)
+        return (target.cfg, target.params, head_cfg, head, f"{os.path.basename(target.source)}, shipped JetSpec head",
+                lambda n: draft_vocab.for_head(path, head, target, n))
     cfg, description, default_layers = SHAPES[name]
     if target_layers:
         cfg = dataclasses.replace(cfg, num_layers=target_layers,
@@ -79,7 +84,12 @@ def load_model(name: str, dtype, head_layers: int | None, target_layers: int | N
     params = init_params(qwen3.param_specs(cfg), jax.random.key(0), dtype)
     head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=head_layers or default_layers)
     head = init_params(draft_head.param_specs(head_cfg), jax.random.key(1), dtype)
-    return cfg, params, head_cfg, head, f"{description}, random weights, {head_cfg.num_layers}-layer head"
+    return (cfg, params, head_cfg, head, f"{description}, random weights, {head_cfg.num_layers}-layer head",
+            lambda n: draft_vocab.attach(head, params, cfg.tie_embeddings, np.arange(n)))
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in KEY)  # rows from before draft vocabularies lack the key: the whole one
 
 
 def per_step_ms(run, new_tokens: int) -> tuple[float, int]:
@@ -96,6 +106,8 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[1024], help="committed tokens before the steps")
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--width", type=int, default=7)
+    p.add_argument("--draft-vocabs", type=int, nargs="+", default=[0], metavar="N",
+                   help="the head drafting over N tokens (jetspec_jax/draft_vocab.py); 0 = the whole vocabulary")
     p.add_argument("--new-tokens", type=int, default=33, help="tokens of the timed run (one more than AR's steps)")
     p.add_argument("--head-layers", type=int, default=None, help="layers of a shape's random head (default: the "
                                                                  "paper-sized one of shapes.SHAPES)")
@@ -105,6 +117,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results/step_floor.json")
     args = p.parse_args()
     started = time.monotonic()
+    vocabs = [n or None for n in dict.fromkeys(args.draft_vocabs)]
     dtype = default_dtype()
     device = jax.devices()[0].device_kind
     old = {}
@@ -112,30 +125,33 @@ def main():
         with open(args.out) as f:
             old = json.load(f)
     rows = [r for r in old.get("rows", []) if r.get("device") == device]
-    done = {tuple(r[k] for k in KEY) for r in rows}
+    done = {row_key(r) for r in rows}
     ceilings = device_ceilings(args.quick)
     # each run's environment (commit, versions, command) and ceilings; a row names the run that made it
     runs = old.get("runs", []) + [dict(environment=environment(), ceilings=ceilings, new_tokens=args.new_tokens,
                                        width=args.width)]
     payload = dict(benchmark="step_floor", runs=runs, rows=rows)
-    columns = ["model", "batch", "context", "budget", "ar_step_ms", "loop_step_ms", "step_over_ar",
+    columns = ["model", "batch", "context", "budget", "draft_vocab", "ar_step_ms", "loop_step_ms", "step_over_ar",
                "floor_ar_ms", "floor_step_ms", "floor_step_over_ar", "step_over_floor"]
 
     def out_of_time() -> bool:
         return args.minutes is not None and time.monotonic() - started > 60 * args.minutes
 
     for name in args.models:
-        wanted = [(b, c, budget) for b in args.batches for c in args.contexts for budget in args.budgets
-                  if (name, b, c, budget) not in done]
+        wanted = [(b, c, budget, n) for b in args.batches for c in args.contexts for budget in args.budgets
+                  for n in vocabs if (name, b, c, budget, n) not in done]
         if not wanted or out_of_time():
             continue
-        cfg, params, head_cfg, head, description = load_model(name, dtype, args.head_layers, args.target_layers)
+        cfg, params, head_cfg, whole_head, description, narrow = load_model(name, dtype, args.head_layers,
+                                                                            args.target_layers)
+        heads = {n: whole_head if n is None else narrow(n) for n in vocabs}
         params = jax.jit(qwen3.fuse_for_decode)(params)
         itemsize = jnp.dtype(dtype).itemsize
         ar_ms: dict[tuple[int, int], float] = {}
-        for batch, context, budget in wanted:
+        for batch, context, budget, vocab in wanted:
             if out_of_time():
                 break
+            head = heads[vocab]
             prompt = jax.random.randint(jax.random.key(batch + context), (batch, context), 0, cfg.vocab_size)
             lengths = jnp.full((batch,), context, jnp.int32)
             keys = jax.random.key(0)
@@ -159,10 +175,10 @@ def main():
             floors = ceilings["copy_bytes_per_s"], ceilings["matmul_bf16_flops_per_s"]
             floor_ar = floor_ms(pass_cost(cfg, 1, batch, context, itemsize), *floors)
             floor_step = (floor_ms(pass_cost(cfg, budget, batch, context, itemsize), *floors)
-                          + floor_ms(draft_pass_cost(head_cfg, cfg, batch, context, itemsize), *floors))
+                          + floor_ms(draft_pass_cost(head_cfg, cfg, batch, context, itemsize, vocab), *floors))
             row = dict(model=name, description=description, device=device, run=len(runs) - 1, batch=batch,
                        context=context,
-                       budget=budget, steps=steps, ar_step_ms=ar_ms[batch, context], loop_step_ms=step_ms,
+                       budget=budget, draft_vocab=vocab, steps=steps, ar_step_ms=ar_ms[batch, context], loop_step_ms=step_ms,
                        step_over_ar=step_ms / ar_ms[batch, context], floor_ar_ms=floor_ar, floor_step_ms=floor_step,
                        floor_step_over_ar=floor_step / floor_ar, step_over_floor=step_ms / floor_step,
                        experts_touched_ar=touched_experts(cfg, batch),
@@ -171,14 +187,14 @@ def main():
             payload["rows"] = rows
             write_json_atomic(args.out, payload)
             print_table([row], columns)
-        params = head = None  # free the model before the next one loads
-    rows.sort(key=lambda r: tuple(r[k] for k in KEY))
+        params = head = heads = whole_head = narrow = None  # free the model before the next one loads
+    rows.sort(key=lambda r: tuple(v or 0 for v in row_key(r)))
     payload["rows"] = rows
     write_json_atomic(args.out, payload)
     print_table(rows, columns)
-    measured = {tuple(r[k] for k in KEY) for r in rows}
-    left = [(m, b, c, budget) for m in args.models for b in args.batches for c in args.contexts
-            for budget in args.budgets if (m, b, c, budget) not in measured]
+    measured = {row_key(r) for r in rows}
+    left = [(m, b, c, budget, n) for m in args.models for b in args.batches for c in args.contexts
+            for budget in args.budgets for n in vocabs if (m, b, c, budget, n) not in measured]
     if left:
         print(f"{len(left)} rows left at the {args.minutes}-minute box; run again with the same --out to go on")
 

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from jetspec_jax import cache
+from jetspec_jax.cli_loading import add_draft_vocab_flag
 from jetspec_jax.errors import OneLineErrorParser, run_command
 from jetspec_jax.speculative import ATTENTION_IMPLS, DRAFT_ATTENTION_IMPLS, GEMM_BACKENDS
 from jetspec_jax.tokens import PROMPT_BUCKET
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(pallas on GPU, xla elsewhere; the results file records which ran)")
     run.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                      help="attention of AR decode steps and verify passes (auto: Pallas kernel on GPU)")
+    add_draft_vocab_flag(run)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--data-dir", default=None,
                      help=f"folder with the benchmark files and train_mix/ (default: {DEFAULT_DATA_DIR})")
@@ -132,7 +134,7 @@ def eval_command(argv=None) -> int:
             benchmarks=tuple(args.benchmarks), methods=tuple(args.methods), budgets=tuple(args.budgets),
             temperatures=tuple(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
             width=args.width, tree_temperature=args.tree_temperature, gemm_backend=args.gemm_backend,
-            draft_attention=args.draft_attention,
+            draft_attention=args.draft_attention, draft_vocab=args.draft_vocab,
             attention=args.attention, prompt_bucket=args.prompt_bucket, batch=args.batch, seed=args.seed,
             data_dir=args.data_dir, results=args.results, head_dirs=parse_heads(args.heads),
             heads_label=args.heads_label, allow_untrained=args.allow_untrained, model=args.model,

@@ -35,10 +35,13 @@ class HeadSource:
     def name(self) -> str:
         return self.path or UNTRAINED
 
-    def load(self, target: Target, seed: int) -> tuple[draft_head.DraftConfig, Any]:
+    def load(self, target: Target, seed: int, draft_vocab: int | None = None) -> tuple[draft_head.DraftConfig, Any]:
         if self.path is None:
+            if draft_vocab is not None:
+                raise ValueError("a draft vocabulary needs a trained head and its token counts; an untrained "
+                                 "head has neither (drop --draft-vocab or give --heads)")
             return random_head(target, ATTENTION_OF_ROLE[self.role], seed)
-        return load_head(self.path, target.params["embed"].dtype, target=target)
+        return load_head(self.path, target.params["embed"].dtype, target=target, draft_vocab=draft_vocab)
 
 
 def head_from_dir(role: str, path: str, target: Target | TargetIdentity) -> HeadSource:

@@ -120,7 +120,8 @@ def read_meta(results_path: str) -> dict | None:
 
 
 # settings added after results files existed: an older file ran with these values
-SETTINGS_BEFORE_RECORDED = {"tree_temperature": 1.0, "gemm_backend": "xla", "draft_attention": "xla", "batch": 1}
+SETTINGS_BEFORE_RECORDED = {"tree_temperature": 1.0, "gemm_backend": "xla", "draft_attention": "xla", "batch": 1,
+                            "draft_vocab": None}
 
 
 def check_compatible(results_path: str, settings: dict, heads: dict[str, str | None]) -> None:

@@ -84,7 +84,7 @@ def check_one_setup(rows: list[dict], group: str) -> None:
     """A group's tau and speedup describe one draft head, one tree scoring, one GEMM backend and one draft
     attention: lines of two heads under one head-set label (files of an older and a newer head given
     together, whose later lines replace only the prompts they share), of two tree temperatures, GEMM
-    backends or draft attentions are refused."""
+    backends, draft attentions or draft vocabularies are refused."""
     shas = sorted({r["head_sha256"] for r in rows if r.get("head_sha256")})
     if len(shas) > 1:
         raise ValueError(f"the results hold {len(shas)} draft heads in one group ({group}): sha256 "
@@ -92,8 +92,8 @@ def check_one_setup(rows: list[dict], group: str) -> None:
                          "to compare them, or report each head's results files separately")
     # AR and chain lines carry None, as do lines from before a setting was recorded: its default
     for field, what in (("tree_temperature", "tree temperatures"), ("gemm_backend", "GEMM backends"),
-                        ("draft_attention", "draft attentions")):
-        values = sorted({r.get(field) or SETTINGS_BEFORE_RECORDED[field] for r in rows})
+                        ("draft_attention", "draft attentions"), ("draft_vocab", "draft vocabularies")):
+        values = sorted({r.get(field) or SETTINGS_BEFORE_RECORDED[field] for r in rows}, key=str)
         if len(values) > 1:
             raise ValueError(f"the results hold {what} {', '.join(map(str, values))} in one group ({group}); "
                              "report the results files of each separately")

@@ -57,6 +57,7 @@ class EvalConfig:
     tree_temperature: float = 1.0  # the tree methods' scoring temperature (SpecConfig)
     gemm_backend: str = "xla"  # the speculative methods' GEMM library on GPU (SpecConfig); AR keeps XLA's
     draft_attention: str = "auto"  # the head's attention (speculative.DRAFT_ATTENTION_IMPLS), held resolved
+    draft_vocab: int | None = None  # the heads draft over this many most frequent tokens (jetspec_jax/draft_vocab.py)
     attention: str = "auto"  # AR/verify attention path (kernels.attention.IMPLEMENTATIONS); auto = Pallas kernel on GPU
     prompt_bucket: int = PROMPT_BUCKET  # each prompt pads to its own multiple of this: larger, fewer compiles
     batch: int = 1  # > 1: up to this many prompts of one padded width per generation call (throughput)
@@ -93,6 +94,8 @@ class EvalConfig:
                             f"report's tables), got {self.heads_label!r}")
         if self.width < 1:
             problems.append(f"width must be >= 1, got {self.width}")
+        if self.draft_vocab is not None and not (isinstance(self.draft_vocab, int) and self.draft_vocab >= 1):
+            problems.append(f"draft_vocab must be a whole number of tokens >= 1, got {self.draft_vocab!r}")
         if self.compile_workers < 0:
             problems.append(f"compile_workers must be >= 0 (0 compiles each program at its first call), got "
                             f"{self.compile_workers}")
@@ -173,7 +176,7 @@ class Evaluator:
         self.config, self.target, self.run_index = config, target, run_index
         self.matmul_precision, self.heads_label = matmul_precision, run_heads_label(config, heads)
         self.heads = heads
-        self.head_params = {role: h.load(target, config.seed) for role, h in heads.items()}
+        self.head_params = {role: h.load(target, config.seed, config.draft_vocab) for role, h in heads.items()}
         for head_cfg, _ in self.head_params.values():
             draft_head.check_pairing(head_cfg, target.cfg)  # a head for another target fails here, once
         self.ar_tokens = ar_tokens  # (benchmark, id, temperature) -> AR tokens, for the T=0 comparison
@@ -307,6 +310,7 @@ class Evaluator:
                 "tree_temperature": config.tree_temperature if tree_method else None,
                 "gemm_backend": config.gemm_backend if method != "ar" else None,
                 "draft_attention": config.draft_attention if method != "ar" else None,
+                "draft_vocab": config.draft_vocab if method != "ar" else None,
                 "attention": config.attention,
                 "max_new_tokens": config.max_new_tokens, "seed": config.seed, "target": self.target_name,
                 "dtype": self.dtype, "matmul_precision": self.matmul_precision,
@@ -391,7 +395,7 @@ def run_settings(config: EvalConfig, target_name: str, dtype: str, precision: st
             "heads_label": run_heads_label(config, heads),
             "max_new_tokens": config.max_new_tokens, "width": config.width,
             "tree_temperature": config.tree_temperature, "gemm_backend": config.gemm_backend,
-            "draft_attention": config.draft_attention, "seed": config.seed,
+            "draft_attention": config.draft_attention, "draft_vocab": config.draft_vocab, "seed": config.seed,
             "attention": config.attention, "prompt_bucket": config.prompt_bucket, "batch": config.batch}
 
 

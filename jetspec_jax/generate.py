@@ -22,7 +22,7 @@ import jax
 
 from jetspec_jax import cache
 from jetspec_jax.api import GenerationResult, check_head_attention, generate
-from jetspec_jax.cli_loading import load_for_cli
+from jetspec_jax.cli_loading import add_draft_vocab_flag, load_for_cli
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.sampling import SamplingConfig, seed_words
 from jetspec_jax.speculative import (ATTENTION_IMPLS, GEMM_BACKENDS, METHODS, SpecConfig, check_tree_causal_settings,
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default=None, help="trained draft head directory (draft_config.json + "
                                                 "head.safetensors or its shards); default: the head "
                                                 "shipped for the target, else an untrained one")
+    add_draft_vocab_flag(p)
     p.add_argument("--budget", type=int, default=64, help="tree nodes verified per step, root included")
     p.add_argument("--width", type=int, default=7, help="candidates per depth")
     p.add_argument("--max-depth", type=int, default=None, help="tree depth limit (default: the head's)")

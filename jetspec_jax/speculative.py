@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax import draft_vocab
 from jetspec_jax.autoregressive import GenerationConfig, is_stop_token, prefill
 from jetspec_jax.kernels.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
 from jetspec_jax.kernels.cache_compact import IMPLEMENTATIONS as COMPACT_IMPLS
@@ -298,15 +299,20 @@ def draft_tree(params: Any, drafter_params: Any, anchor: jax.Array, cache: KVCac
     """The step's draft tree (B sequences, padded to spec.budget): best-first growth on the head's
     per-depth distributions; for jetspec-tc that tree (spec.candidates nodes) is the candidate set of
     a tree-causal second pass (`tree_causal_pass`, `select_trees`)."""
-    draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V)
+    draft = drafter.propose(drafter_params, state, params, cache, anchor, depth)  # (B, D, V) or a draft vocabulary
+    widest = max(spec.tree_width, spec.extend_width if spec.tree_causal else 0)
+    if draft.shape[-1] < widest:
+        raise ValueError(f"the head drafts over {draft.shape[-1]} tokens (its draft vocabulary), fewer than the "
+                         f"{widest} candidates a tree node takes: give a larger --draft-vocab or a smaller width")
     cand_tokens, cand_logps = top_candidates(jax.nn.log_softmax(draft / spec.tree_temperature, axis=-1),
                                              spec.tree_width, implementation=spec.top_k_impl)
+    cand_tokens = draft_vocab.to_token_ids(drafter_params, cand_tokens)
     if not spec.tree_causal:
         return build_trees(anchor, cand_tokens, cand_logps, budget=spec.budget, implementation=spec.tree_impl)
     candidates = build_trees(anchor, cand_tokens, cand_logps, budget=spec.candidates, implementation=spec.tree_impl)
     nodes, real, cond_logps = tree_causal_pass(params, drafter_params, candidates, cache, state, drafter=drafter,
                                                spec=spec, depth=depth)
-    return select_trees(candidates, nodes, real, cond_logps, spec=spec, depth=depth)
+    return select_trees(candidates, nodes, real, cond_logps, spec=spec, depth=depth, drafter_params=drafter_params)
 
 
 def tree_causal_pass(params: Any, drafter_params: Any, candidates: Tree, cache: KVCache, state: Any, *, drafter,
@@ -325,11 +331,19 @@ def tree_causal_pass(params: Any, drafter_params: Any, candidates: Tree, cache: 
 
 
 def select_trees(candidates: Tree, nodes: jax.Array, real: jax.Array, cond_logps: jax.Array, *, spec: SpecConfig,
-                 depth: int) -> Tree:
+                 depth: int, drafter_params: Any = None) -> Tree:
     """The verified trees: spec.budget nodes of each candidate tree (and its offered children) by
-    path-conditioned score (`tree.select_conditioned`)."""
+    path-conditioned score (`tree.select_conditioned`); cond_logps over the head's draft vocabulary
+    where `drafter_params` carry one."""
+    def to_draft(tokens):
+        return draft_vocab.to_draft_ids(drafter_params, tokens)
+
+    def to_target(ids):
+        return draft_vocab.to_token_ids(drafter_params, ids)
+
     return jax.vmap(lambda t, n, r, lp: select_conditioned(t, n, r, lp, spec.budget, spec.extend_width, depth,
-                                                           top_k_impl=spec.top_k_impl))(
+                                                           top_k_impl=spec.top_k_impl, to_draft=to_draft,
+                                                           to_target=to_target))(
         candidates, nodes, real, cond_logps)
 
 

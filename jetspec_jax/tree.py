@@ -210,7 +210,7 @@ LOGP_FLOOR = -1e30
 
 
 def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps: jax.Array, budget: int,
-                       extend: int, max_depth: int, top_k_impl: str = "auto") -> Tree:
+                       extend: int, max_depth: int, top_k_impl: str = "auto", to_draft=None, to_target=None) -> Tree:
     """Re-selects one sequence's tree by path-conditioned scores (jetspec-tc, after the tree-causal pass).
 
     tree: the candidate tree (C nodes); nodes / real (P,): its nodes with children (`internal_nodes`);
@@ -220,7 +220,8 @@ def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps
     children). The `budget` best of candidates and offered children become the tree, ties to the
     lower index: a child never outscores its parent (log q <= 0, and it comes later), so the set is
     ancestor-closed, and it is what best-first growth one node at a time over the same pool gives.
-    `top_k_impl` is the offered children's top-k (jetspec_jax/kernels/top_k.py).
+    `top_k_impl` is the offered children's top-k (jetspec_jax/kernels/top_k.py). With a draft vocabulary
+    cond_logps' columns are its places: `to_draft` maps tree tokens to them, `to_target` back.
     Returns a Tree padded to `budget`, nodes in score order (parents before children)."""
     c = tree.tokens.shape[-1]
     p = nodes.shape[-1]
@@ -230,7 +231,7 @@ def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps
     cond_logps = jnp.where(jnp.isnan(cond_logps) | (cond_logps < LOGP_FLOOR), LOGP_FLOOR,
                            jnp.minimum(cond_logps, 0.0))
     parent_row = row_of[jnp.maximum(tree.parents, 0)]
-    lp = cond_logps[jnp.maximum(parent_row, 0), tree.tokens]
+    lp = cond_logps[jnp.maximum(parent_row, 0), tree.tokens if to_draft is None else to_draft(tree.tokens)]
     lp = jnp.where(tree.parents >= 0, lp, 0.0)
     # s[u] = s[parent] + lp[u], one depth at a time: fp addition of lp <= 0 never raises a score
     scores = jnp.zeros((c,), jnp.float32)
@@ -241,6 +242,7 @@ def select_conditioned(tree: Tree, nodes: jax.Array, real: jax.Array, cond_logps
     pool_tokens, pool_parents, pool_depths, pool_scores = tree.tokens, tree.parents, tree.depths, scores
     if extend > 0:
         ext_tokens, ext_lp = top_candidates(cond_logps, extend, implementation=top_k_impl)  # (P, K)
+        ext_tokens = ext_tokens if to_target is None else to_target(ext_tokens)
         # an offered token that is already a child of that node is dropped (siblings stay distinct)
         is_child = (tree.parents[None, :] == nodes[:, None]) & tree.valid[None, :]  # (P, C)
         dup = jnp.any(is_child[:, None, :] & (tree.tokens[None, None, :] == ext_tokens[:, :, None]), axis=-1)

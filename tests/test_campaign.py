@@ -15,6 +15,7 @@ import pytest
 from test_heldout import rewritten
 from test_train import TEST_SETTINGS, corpus, one_device, tiny_target  # noqa: F401  (fixtures)
 
+from jetspec_jax import draft_vocab
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
 from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, bring_back, read_records,
@@ -23,6 +24,7 @@ from jetspec_jax.train.config import load_config
 from jetspec_jax.train.data import training_stream
 from jetspec_jax.train.mixture import is_heldout
 from jetspec_jax.train.regenerate import draw_prompts, sample_key
+from jetspec_jax.train.token_counts import corpus_counts
 from jetspec_jax.train.trainer import train
 
 
@@ -97,6 +99,10 @@ def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target
     carried = tmp_path / "carried"
     bring_back(spec, str(tmp_path / "machine-1"), str(carried))
     assert not (carried / "checkpoint").exists()  # restart mode carries the heads alone
+    # beside the exported head, its corpus's token counts (what --draft-vocab picks from)
+    counts = draft_vocab.load_counts(str(carried / "export" / "head-0"), tiny_target.cfg.vocab_size,
+                                     tiny_target.fingerprint)
+    np.testing.assert_array_equal(counts, corpus_counts(corpus, tiny_target.cfg.vocab_size))
 
     # a short box: the plan at the measured rate is hundreds of steps, the box stops it after a few seconds
     second = on_machine(spec, tmp_path, 2, corpus, minutes=0.05, state=str(carried / "export"))

@@ -45,10 +45,14 @@ def test_a_grid_is_measured_and_resumed(tmp_path):
             "--target-layers", "4", "--head-layers", "1", "--contexts", "16", "--new-tokens", "3", "--quick",
             "--out", str(out)]
     for _ in range(2):
-        done = subprocess.run(base + ["--budgets", "4"], capture_output=True, text=True, timeout=600)
+        done = subprocess.run(base + ["--budgets", "4", "--draft-vocabs", "0", "64"], capture_output=True, text=True,
+                              timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert [(r["budget"], r["run"]) for r in result["rows"]] == [(4, 0)]  # kept by the second run, not measured again
+    # kept by the second run, not measured again
+    assert [(r["budget"], r["draft_vocab"], r["run"]) for r in result["rows"]] == [(4, None, 0), (4, 64, 0)]
+    whole, narrow = result["rows"]
+    assert narrow["floor_step_ms"] < whole["floor_step_ms"] and narrow["floor_ar_ms"] == whole["floor_ar_ms"]
     assert len(result["runs"]) == 2 and all(r["ceilings"]["copy_bytes_per_s"] > 0 for r in result["runs"])
     for row in result["rows"]:
         assert row["loop_step_ms"] > 0 and row["ar_step_ms"] > 0 and row["floor_step_ms"] > row["floor_ar_ms"]

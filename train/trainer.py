@@ -41,6 +41,7 @@ from .corpus import Corpus
 from .data import MODEL_INPUTS, batch_iterator, heldout_batches, make_rows, training_stream
 from .heldout import read_pinned
 from .loss import draft_loss, per_row_stats, pooled_stats
+from .token_counts import write_counts
 
 
 def head_config_for(cfg: TrainConfig, target_cfg: qwen3.Config) -> draft_head.DraftConfig:
@@ -706,6 +707,9 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
                             "summary": json.dumps(summary_of_head(summary, name, list(trainer.heads))
                                                   if cfg.is_pair else summary),
                             "target": target.name, "corpus": corpus_fingerprint(corpus)}, target=target)
+    exported = [alone.run.export_head for alone in cfg.single_heads().values() if alone.run.export_head]
+    if exported:  # beside each head, its corpus's token counts: what --draft-vocab picks from
+        write_counts(corpus, exported, target.fingerprint)
     if cfg.run.export_head:
         summary["exported_head"] = cfg.run.export_head
     return summary

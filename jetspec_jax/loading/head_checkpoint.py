@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jetspec_jax import draft_vocab as draft_vocab_lib
 from jetspec_jax.errors import DamagedFileError, InputError
 from jetspec_jax.loading.assemble import CheckpointMismatch, Rule, assemble_params
 from jetspec_jax.loading.hf_dir import iter_safetensors
@@ -206,13 +207,20 @@ def load_head_weights(record: HeadRecord, dtype) -> Any:
         raise DamagedFileError(source, f"not a readable safetensors file ({e})", WEIGHTS_FIX) from None
 
 
-def load_head(path: str, dtype, target=None) -> tuple[draft_head.DraftConfig, Any]:
-    """Reads a head directory; with `target`, first checks that the head was trained for it."""
+def load_head(path: str, dtype, target=None, draft_vocab: int | None = None) -> tuple[draft_head.DraftConfig, Any]:
+    """Reads a head directory; with `target`, first checks that the head was trained for it. With
+    `draft_vocab` N (target needed) the head drafts over the N tokens the target's answers use most
+    (jetspec_jax/draft_vocab.py)."""
+    if draft_vocab is not None and target is None:
+        raise ValueError("a draft vocabulary takes its rows from the target's LM head: pass target=")
     record = verify_head_files(path)
     if target is not None:
         check_head_target(record, target)
         draft_head.check_pairing(record.cfg, target.cfg)
-    return record.cfg, load_head_weights(record, dtype)
+    params = load_head_weights(record, dtype)
+    if draft_vocab is not None:
+        params = draft_vocab_lib.for_head(path, params, target, draft_vocab)
+    return record.cfg, params
 
 
 def plan_shards(flat: dict[str, np.ndarray], metadata: dict[str, str], max_bytes: int) -> list[list[str]]:

@@ -254,10 +254,14 @@ def block_hidden(params: Mapping[str, Any], x: jax.Array, depths: jax.Array, blo
 
 def slot_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,
                 hidden: jax.Array, cfg: DraftConfig) -> jax.Array:
-    """Final norm and the target's LM head on block slots' hidden states: fp32 logits (..., V)."""
+    """Final norm and the target's LM head on block slots' hidden states: fp32 logits (..., V), or over
+    the head's draft vocabulary where its params carry one (jetspec_jax/draft_vocab.py)."""
     with jax.named_scope("lm_head"):
-        return qwen3.lm_logits(target_params, qwen3.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps),
-                               target_cfg)
+        normed = qwen3.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+        if "draft_lm_head" in params:
+            return precision.einsum("...d,vd->...v", normed, params["draft_lm_head"],
+                                    preferred_element_type=jnp.float32)
+        return qwen3.lm_logits(target_params, normed, target_cfg)
 
 
 def draft_logits(params: Mapping[str, Any], target_params: Mapping[str, Any], target_cfg: qwen3.Config,

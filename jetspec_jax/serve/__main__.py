@@ -23,7 +23,7 @@ from typing import Sequence
 from jetspec_jax import cache
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.kv_cache import is_page_size
-from jetspec_jax.cli_loading import load_for_cli
+from jetspec_jax.cli_loading import add_draft_vocab_flag, load_for_cli
 from jetspec_jax.serve.limits import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                                       DEFAULT_MAX_CONNECTIONS)
 from jetspec_jax.speculative import GEMM_BACKENDS, METHODS
@@ -75,6 +75,7 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--kv-pages", type=int, default=None,
                    help="pages in the pool with --kv-page-size (default: as many rows as the dense cache); a "
                         "request waits in the queue while too few are free")
+    add_draft_vocab_flag(p)
     p.add_argument("--budget", type=budget_arg, default=64,
                    help="tree nodes verified per step, or 'auto' to pick it from the load, plain decoding "
                         "included where no tree pays")
