@@ -182,3 +182,27 @@ def test_a_head_loaded_with_a_draft_vocabulary_is_lossless(tiny_qwen3, corpus, t
         load_head(path, jnp.float32, draft_vocab=64)
     with pytest.raises(InputError, match="--draft-vocab must be a whole number"):
         load_head(path, jnp.float32, target=target, draft_vocab=target.cfg.vocab_size + 1)
+
+
+def test_the_command_line_drafts_over_a_draft_vocabulary(tmp_path, capsys):
+    """generate --draft-vocab N with a head whose counts lie beside it prints what AR prints; with method ar
+    the flag is one error line."""
+    from conftest import make_tiny_gguf
+
+    from jetspec_jax.generate import main
+    from jetspec_jax.target import load_target
+
+    model = make_tiny_gguf(str(tmp_path / "tiny.gguf"))
+    target = load_target(model, dtype="float32")
+    drafter, head = random_head(target.cfg, jax.random.key(6), attention="causal")
+    path = str(tmp_path / "head")
+    save_head(path, drafter.cfg, head, target=target)
+    counts = np.random.default_rng(0).integers(0, 50, target.cfg.vocab_size)
+    draft_vocab.save_counts(path, counts, target.fingerprint, "a test")
+    argv = ["Hello there", "--model", model, "--max-new-tokens", "12", "--no-stream", "--no-cache"]
+    assert main(argv + ["--method", "ar"]) == 0
+    ar = capsys.readouterr().out
+    assert main(argv + ["--method", "jetspec", "--head", path, "--draft-vocab", "40", "--budget", "8"]) == 0
+    assert capsys.readouterr().out == ar
+    assert main(argv + ["--method", "ar", "--draft-vocab", "40"]) == 2
+    assert "method ar drafts nothing" in capsys.readouterr().err
