@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from jetspec_jax.api import random_head
+from jetspec_jax.draft_vocab import describe as describe_draft_vocab
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head, no_head_message, packaged_head_path, verify_head_files
 from jetspec_jax.speculative import ATTENTION_OF_METHOD
@@ -30,7 +31,10 @@ def resolve_method_and_head(args, target: Target):
         return method, None
     path = args.head or packaged_head_path(target, method)
     if path:
-        return method, load_head(path, target.params["embed"].dtype, target=target, draft_vocab=draft_vocab)
+        head = load_head(path, target.params["embed"].dtype, target=target, draft_vocab=draft_vocab)
+        if draft_vocab is not None:
+            print(f"note: {describe_draft_vocab(path, draft_vocab, target.cfg.vocab_size)}", file=sys.stderr)
+        return method, head
     if draft_vocab is not None:
         raise InputError(f"--draft-vocab needs a trained head and its token counts; {no_head_message(target, method)}")
     attention = ATTENTION_OF_METHOD[method]

@@ -143,6 +143,14 @@ def to_draft_ids(params: Any, token_ids: jax.Array) -> jax.Array:
     return params["draft_index"][token_ids] if has_draft_vocab(params) else token_ids
 
 
+def describe(head_dir: str, size: int, vocab_size: int) -> str:
+    """One line for a command's stderr: the draft vocabulary's size and the share of counted tokens it holds."""
+    counts = load_counts(head_dir, vocab_size)
+    share = coverage(counts, most_frequent(counts, size))
+    return (f"drafting over the {size} of {vocab_size} tokens the target's answers use most ({100 * share:.2f}% "
+            f"of the {int(counts.sum())} counted)")
+
+
 def for_head(head_dir: str, head_params: Mapping[str, Any], target, size: int) -> dict[str, Any]:
     """A loaded head's params drafting over the `size` tokens the target's answers use most (the counts
     beside the head)."""

@@ -203,6 +203,9 @@ def test_the_command_line_drafts_over_a_draft_vocabulary(tmp_path, capsys):
     assert main(argv + ["--method", "ar"]) == 0
     ar = capsys.readouterr().out
     assert main(argv + ["--method", "jetspec", "--head", path, "--draft-vocab", "40", "--budget", "8"]) == 0
-    assert capsys.readouterr().out == ar
+    spec = capsys.readouterr()
+    assert spec.out == ar
+    share = draft_vocab.coverage(counts, draft_vocab.most_frequent(counts, 40))
+    assert f"drafting over the 40 of {target.cfg.vocab_size} tokens" in spec.err and f"{100 * share:.2f}%" in spec.err
     assert main(argv + ["--method", "ar", "--draft-vocab", "40"]) == 2
     assert "method ar drafts nothing" in capsys.readouterr().err
