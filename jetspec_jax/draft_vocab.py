@@ -24,8 +24,6 @@ from jetspec_jax.provenance import write_bytes_atomic
 COUNTS_FILE = "token_counts.npz"
 COUNTS_FIX = ("write it with: python -m jetspec_jax.train.token_counts --corpus CORPUS_DIR --head HEAD_DIR "
               "(the regenerated corpus the head was trained on), or drop --draft-vocab")
-# the keys a head's params gain (inference only: training never sees them)
-VOCAB_KEYS = ("draft_vocab", "draft_index", "draft_lm_head")
 
 
 def count_tokens(sequences: Iterable[np.ndarray], vocab_size: int) -> np.ndarray:
