@@ -350,6 +350,18 @@ def test_one_batch_size_per_results_file(finished_run, batched_run, capsys, monk
         check_compatible(older, {**meta["settings"], "batch": 2}, meta["heads"])
 
 
+def test_a_draft_vocabulary_run_gets_its_own_results_file(finished_run, tmp_path):
+    """A file from before --draft-vocab drafted over the whole vocabulary: a run with one goes elsewhere."""
+    meta = json.loads(open(meta_path(str(finished_run[0]))).read())
+    assert meta["settings"]["draft_vocab"] is None
+    del meta["settings"]["draft_vocab"]
+    older = str(tmp_path / "older.jsonl")
+    open(meta_path(older), "w").write(json.dumps(meta))
+    check_compatible(older, {**meta["settings"], "draft_vocab": None}, meta["heads"])
+    with pytest.raises(ValueError, match=r"different settings \(draft_vocab\)"):
+        check_compatible(older, {**meta["settings"], "draft_vocab": 4096}, meta["heads"])
+
+
 def test_report_keeps_batch_sizes_apart(finished_run, batched_run, tmp_path):
     assert main(["report", str(finished_run[0]), str(batched_run[0]), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
