@@ -144,7 +144,7 @@ def main():
             continue
         cfg, params, head_cfg, whole_head, description, narrow = load_model(name, dtype, args.head_layers,
                                                                             args.target_layers)
-        heads = {n: whole_head if n is None else narrow(n) for n in vocabs}
+        heads = {n: whole_head if n is None else narrow(n) for n in {n for *_, n in wanted}}  # those rows left
         params = jax.jit(qwen3.fuse_for_decode)(params)
         itemsize = jnp.dtype(dtype).itemsize
         ar_ms: dict[tuple[int, int], float] = {}
