@@ -18,8 +18,8 @@ from test_train import TEST_SETTINGS, corpus, one_device, tiny_target  # noqa: F
 from jetspec_jax import draft_vocab
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
-from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, bring_back, read_records,
-                                        run_segment, segment_overrides, training_minutes)
+from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, append_record, bring_back,
+                                        read_records, run_segment, segment_overrides, training_minutes)
 from jetspec_jax.train.config import load_config
 from jetspec_jax.train.data import training_stream
 from jetspec_jax.train.mixture import is_heldout
@@ -66,7 +66,7 @@ def test_continued_segments_equal_one_uninterrupted_run(tiny_target, corpus, sta
     split = write_campaign(tmp_path / "split", tiny_target, start_head, cycle)
     first = on_machine(split, tmp_path, 1, corpus, minutes=60, max_steps=4)
     carried = tmp_path / "carried"
-    bring_back(split, str(tmp_path / "machine-1"), str(carried))
+    bring_back(split, str(tmp_path / "machine-1"), str(carried), first["segment"])
     assert sorted(p.name for p in (carried / "checkpoint").iterdir()) == ["4"]
     with pytest.raises(InputError, match="--resume-from"):
         on_machine(split, tmp_path, 2, corpus, minutes=60)
@@ -97,8 +97,13 @@ def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target
     assert first["planned_steps"] == first["steps"] == 5 and first["heads_before"] == [
         verify_head_files(start_head).weights_digest()]
     carried = tmp_path / "carried"
-    bring_back(spec, str(tmp_path / "machine-1"), str(carried))
+    bring_back(spec, str(tmp_path / "machine-1"), str(carried), first["segment"])
     assert not (carried / "checkpoint").exists()  # restart mode carries the heads alone
+    # and the records: the log with the segment's line, and its folder
+    records = carried / "records"
+    assert (records / "segments.jsonl").read_text() == (tmp_path / "campaign" / "segments.jsonl").read_text()
+    assert sorted(p.name for p in (records / "segment-001").iterdir()) == ["data_plan.json", "metrics.jsonl",
+                                                                          "segment.json"]
     # beside the exported head, its corpus's token counts (what --draft-vocab picks from)
     counts = draft_vocab.load_counts(str(carried / "export" / "head-0"), tiny_target.cfg.vocab_size,
                                      tiny_target.fingerprint)
@@ -138,6 +143,10 @@ def test_segments_on_other_corpora_measure_the_pinned_heldout_answers(tiny_targe
     other = rewritten(corpus, tmp_path / "other-corpus", tiny_target.cfg.vocab_size)
     second = on_machine(spec, tmp_path, 2, other, minutes=1, max_steps=2)  # from campaign.toml's heads again
     assert second["heldout"] == first["heldout"] and second["corpus"]["fingerprint"] != first["corpus"]["fingerprint"]
+    carried = tmp_path / "carried"
+    bring_back(spec, str(tmp_path / "machine-2"), str(carried), second["segment"])
+    assert (carried / "records" / "heldout.npz").read_bytes() == pinned.read_bytes()
+    assert [p.name for p in (carried / "records").glob("segment-*")] == ["segment-002"]
     assert second["heads_before"] == first["heads_before"] and second["held_out_start"] == first["held_out_start"]
     plan = json.loads((tmp_path / "campaign" / "segment-002" / "data_plan.json").read_text())
     assert plan["heldout_answers"] == {"file": str(pinned), "sha256": first["heldout"]["sha256"]}
@@ -151,6 +160,18 @@ def test_a_segment_draws_fresh_samples_for_training_prompts_only(tiny_target, st
     heldout_prompt = next({"source": "gsm8k", "id": f"q{i}"} for i in range(100) if is_heldout("gsm8k", f"q{i}"))
     assert sample_key(train_prompt, 0) == "gsm8k:" + train_prompt["id"] != sample_key(train_prompt, 2)
     assert sample_key(heldout_prompt, 2) == sample_key(heldout_prompt, 0)
+
+
+def test_a_segment_that_regenerated_keeps_its_corpus_manifest_beside_its_metrics(tmp_path):
+    run, manifest = tmp_path / "run", tmp_path / "regen-draw3" / "manifest.json"
+    run.mkdir(), manifest.parent.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    manifest.write_text('{"num_answers": 7}')
+    append_record(str(tmp_path / "campaign"), {"segment": 3}, str(run), str(manifest))
+    folder = tmp_path / "campaign" / "segment-003"
+    assert (folder / "corpus_manifest.json").read_text() == manifest.read_text()
+    assert json.loads((folder / "segment.json").read_text()) == {"segment": 3}
+    assert read_records(str(tmp_path / "campaign")) == [{"segment": 3}]
 
 
 def test_a_partial_draw_keeps_every_heldout_prompt_and_moves_over_the_training_prompts():

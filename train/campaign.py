@@ -6,9 +6,10 @@ last one brought back, every segment recorded in the campaign's folder.
 
 The folder holds `campaign.toml` (the training config and overrides, the heads it starts from, the cycle
 below) and, as segments run, `segments.jsonl` (one record each: command, commit, corpus, steps, tokens,
-seconds, held-out numbers per head and kind at its start and end, the heads' digests) and
-`segment-NNN/` (its metrics.jsonl and data_plan.json). With `heldout_answers` set, the first segment pins its
-corpus's held-out answers in that file and every segment measures on them (train/heldout.py).
+seconds, held-out numbers per head and kind at its start and end, the heads' digests) and `segment-NNN/`
+(its metrics.jsonl, data_plan.json and the manifest of a corpus it regenerated). With `heldout_answers`
+set, the first segment pins its corpus's held-out answers in that file and every segment measures on them
+(train/heldout.py). `--bring-back DIR` gathers in one folder what the next segment and the repository need.
 
 Two ways to continue (campaign.toml's `cycle.mode`):
 - "restart": every segment starts from the exported heads of the last (bf16 weights, what a segment brings
@@ -41,6 +42,7 @@ from .config import REPO_ROOT, TrainConfig, load_config
 
 SPEC_FILE = "campaign.toml"
 LOG_FILE = "segments.jsonl"
+CORPUS_MANIFEST = "corpus_manifest.json"  # a segment folder's copy of the manifest of the corpus it regenerated
 MODES = ("restart", "continue")
 TOP_LEVEL = ("config", "overrides", "heads", "heldout_answers", "cycle")
 COMPILE_GUESS_S = 180.0  # --finish-within's guess at compiling a segment's programs before one has been timed
@@ -207,7 +209,7 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
     Returns the record."""
     from jetspec_jax.target import load_target
 
-    from .corpus import Corpus
+    from .corpus import MANIFEST_FILE, Corpus
     from .heldout import write_pinned
     from .regenerate import load_regeneration_prompts, regenerate
     from .trainer import corpus_fingerprint, train
@@ -253,7 +255,8 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
     record = segment_record(spec, records, cfg, summary, run_dir, corpus, regen_seconds, digests_before,
                             resume_from, command or "python -m jetspec_jax.train.campaign " + shlex.join(sys.argv[1:]))
     record["segment_seconds"] = round(time.perf_counter() - started, 1)  # the whole segment, export included
-    append_record(spec.directory, record, run_dir)
+    regenerated = os.path.join(corpus.out_dir, MANIFEST_FILE) if regen_seconds else None
+    append_record(spec.directory, record, run_dir, regenerated)
     return record
 
 
@@ -262,7 +265,7 @@ def steps_on_corpus(directory: str, records: list[dict], fingerprint: str) -> in
     data_plan.json names its corpus)."""
     steps = 0
     for record in records:
-        plan = os.path.join(directory, f"segment-{record['segment']:03d}", "data_plan.json")
+        plan = os.path.join(segment_folder(directory, record["segment"]), "data_plan.json")
         if os.path.exists(plan):
             with open(plan) as f:
                 if json.load(f).get("corpus") == fingerprint:
@@ -304,13 +307,19 @@ def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str,
     }
 
 
-def append_record(directory: str, record: dict, run_dir: str) -> None:
-    """The segment's metrics and data plan into segment-NNN/, then its line in the log (last, so a log line
-    always has its folder)."""
-    folder = os.path.join(directory, f"segment-{record['segment']:03d}")
+def segment_folder(directory: str, segment: int) -> str:
+    return os.path.join(directory, f"segment-{segment:03d}")
+
+
+def append_record(directory: str, record: dict, run_dir: str, corpus_manifest: str | None = None) -> None:
+    """The segment's metrics, data plan and (when it regenerated one) its corpus's manifest into segment-NNN/,
+    then its line in the log (last, so a log line always has its folder)."""
+    folder = segment_folder(directory, record["segment"])
     os.makedirs(folder, exist_ok=True)
-    for name in ("metrics.jsonl", "data_plan.json"):
-        source = os.path.join(run_dir, name)
+    copies = {name: os.path.join(run_dir, name) for name in ("metrics.jsonl", "data_plan.json")}
+    if corpus_manifest:
+        copies[CORPUS_MANIFEST] = corpus_manifest
+    for name, source in copies.items():
         if os.path.exists(source):
             shutil.copyfile(source, os.path.join(folder, name + ".tmp"))
             os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
@@ -335,10 +344,11 @@ def bring_in_checkpoint(source: str, checkpoints: str) -> None:
         shutil.copytree(step_dir, target)
 
 
-def bring_back(spec: CampaignSpec, out_dir: str, destination: str) -> None:
-    """What the next segment starts from, copied out of a finished segment's folder: the exported heads
-    (`--state DESTINATION/export`) and in continue mode the last checkpoint (`--resume-from
-    DESTINATION/checkpoint`)."""
+def bring_back(spec: CampaignSpec, out_dir: str, destination: str, segment: int) -> None:
+    """What the next segment starts from and what the repository records, copied out of a finished segment's
+    folders: the exported heads (`--state DESTINATION/export`), in continue mode the last checkpoint
+    (`--resume-from DESTINATION/checkpoint`), and `records/`: the campaign's log with this segment's line,
+    its segment-NNN/ folder and the pinned held-out answers, to copy over the campaign folder they came from."""
     os.makedirs(destination, exist_ok=True)
     shutil.copytree(os.path.join(out_dir, "export"), os.path.join(destination, "export"), dirs_exist_ok=True)
     if spec.cycle.mode == "continue":
@@ -346,6 +356,12 @@ def bring_back(spec: CampaignSpec, out_dir: str, destination: str) -> None:
         if step is None:
             raise InputError(f"no checkpoint in {out_dir}/campaign/checkpoints to bring back")
         shutil.copytree(step, os.path.join(destination, "checkpoint", os.path.basename(step)), dirs_exist_ok=True)
+    records = os.path.join(destination, "records")
+    folder = segment_folder(spec.directory, segment)
+    shutil.copytree(folder, os.path.join(records, os.path.basename(folder)), dirs_exist_ok=True)
+    for path in (os.path.join(spec.directory, LOG_FILE), spec.heldout_path):
+        if path and os.path.exists(path):
+            shutil.copyfile(path, os.path.join(records, os.path.basename(path)))
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
@@ -366,8 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "minutes of its start, e.g. a lease's end: training gets --minutes or what the corpus left")
     p.add_argument("--resume-from", default=None, help="continue mode: the checkpoint the last segment brought back")
     p.add_argument("--corpus", default=None, help="a regenerated corpus to train on instead of regenerating")
-    p.add_argument("--bring-back", default=None, help="copy what the next segment needs here: export/ (the heads) "
-                                                       "and, in continue mode, checkpoint/ (the last step's state)")
+    p.add_argument("--bring-back", default=None, help="copy what the next segment needs here: export/ (the heads), "
+                                                       "in continue mode checkpoint/ (the last step's state), and "
+                                                       "records/ (the segment's log line and folder)")
     p.add_argument("overrides", nargs="*", help="section.key=value after the campaign's, e.g. data.data_dir=DIR")
     return p
 
@@ -379,7 +396,7 @@ def campaign_command(argv=None) -> int:
                          resume_from=args.resume_from, corpus_dir=args.corpus, extra=args.overrides,
                          finish_within=args.finish_within)
     if args.bring_back:
-        bring_back(spec, args.out_dir, args.bring_back)
+        bring_back(spec, args.out_dir, args.bring_back, record["segment"])
     print(json.dumps(record, indent=2))
     return 0
 
