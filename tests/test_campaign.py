@@ -19,7 +19,8 @@ from jetspec_jax import draft_vocab
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
 from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, append_record, bring_back,
-                                        read_records, run_segment, segment_overrides, training_minutes)
+                                        overhead_seconds, read_records, run_segment, segment_overrides,
+                                        tokens_estimated, training_minutes)
 from jetspec_jax.train.config import load_config
 from jetspec_jax.train.data import training_stream
 from jetspec_jax.train.mixture import is_heldout
@@ -222,7 +223,7 @@ def test_the_shipped_campaign_plans_its_next_segment():
     cfg = load_config(spec.config, [*spec.overrides, *segment_overrides(spec, records, 7, "OUT", heads)])
     assert cfg.data.resample == len(records) + 1 and cfg.data.regen_batch_size == 4096
     assert cfg.data.heldout_answers == f"{folder}/heldout_answers.npz"
-    last = records[-1]
+    last = next(r for r in reversed(records) if r["train_seconds_this_run"])  # the last segment that timed it
     assert cfg.optim.total_steps == round(7 * 60 * last["steps_this_run"] / last["train_seconds_this_run"])
 
 
@@ -291,3 +292,25 @@ def test_the_learning_curve_reads_every_segment_and_names_the_kinds_that_stopped
                     "held_out_end": numbers(2.7, 2.9, 2.5)})
     (tmp_path / "segments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert [p["segment"] for p in write_learning_curve(str(tmp_path))["head"]] == [0, 1, 2, 2, 3, 4]
+
+    # a segment whose records stayed behind: its tokens estimated, so every total from it on is marked
+    records.append({"segment": 5, "campaign_tokens": 210e6, "tokens_this_run": 40e6, "held_out_start": None,
+                    "held_out_end": numbers(2.8, 3.0, 2.6), "estimated": ["tokens_this_run", "campaign_tokens"]})
+    records.append({"segment": 6, "campaign_tokens": 250e6, "tokens_this_run": 40e6, "heldout": pinned,
+                    "held_out_start": numbers(2.3, 2.5, 2.1), "held_out_end": numbers(2.4, 2.6, 2.2)})
+    (tmp_path / "segments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    points = write_learning_curve(str(tmp_path))["head"]
+    assert [(p["segment"], p["tokens_estimated"]) for p in points[5:]] == [(4, False), (5, True), (5, True),
+                                                                          (6, True)]
+    table = (tmp_path / "learning_curve.md").read_text()
+    assert "| 4 | B | 170.0M |" in table and "| 5 | C | ~210.0M |" in table and "| 6 | A | ~250.0M |" in table
+
+
+def test_a_record_with_lost_timings_or_estimated_tokens_is_read_for_what_it_has():
+    lost = {"segment": 3, "segment_seconds": 1165.2, "regen_seconds": None, "train_seconds_this_run": None,
+            "estimated": ["tokens_this_run", "campaign_tokens"]}
+    timed = {"segment": 2, "segment_seconds": 700.0, "regen_seconds": 200.0, "train_seconds_this_run": 400.0}
+    assert overhead_seconds(lost) is None and overhead_seconds(timed) == 100.0
+    # --finish-within keeps the overhead of the last segment that timed it
+    assert training_minutes(20, 10, 0.0, [timed, lost]) == (600 - 100) / 60
+    assert tokens_estimated([timed, lost]) and not tokens_estimated([timed])

@@ -186,10 +186,18 @@ def training_minutes(minutes: float, finish_within: float | None, elapsed_s: flo
 
 
 def overhead_seconds(record: dict) -> float | None:
-    """A recorded segment's seconds besides regeneration and training (None before segments timed it)."""
-    if "segment_seconds" not in record:
+    """A recorded segment's seconds besides regeneration and training (None before segments timed it, or
+    where its record lacks one of them)."""
+    parts = (record.get("segment_seconds"), record.get("regen_seconds", 0.0), record.get("train_seconds_this_run"))
+    if None in parts:
         return None
-    return record["segment_seconds"] - record.get("regen_seconds", 0.0) - record["train_seconds_this_run"]
+    return parts[0] - parts[1] - parts[2]
+
+
+def tokens_estimated(records: list[dict]) -> bool:
+    """Whether the campaign's token count rests on an estimate: a segment whose records stayed behind on its
+    machine has its tokens estimated (its record's `estimated` names them), and so has every later total."""
+    return any({"tokens_this_run", "campaign_tokens"} & set(r.get("estimated", ())) for r in records)
 
 
 def held_out(row: dict) -> dict:
@@ -304,6 +312,7 @@ def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str,
         "heads_before": digests_before, "heads_after": heads_digests(exports) if all(exports) else None,
         "held_out_start": held_out(start_row) if start_row else None,
         "held_out_end": held_out(evals[-1]) if evals else None,
+        **({"estimated": ["campaign_tokens"]} if tokens_estimated(records) else {}),
     }
 
 

@@ -15,7 +15,7 @@ import sys
 from jetspec_jax.errors import InputError, OneLineErrorParser, run_command
 from jetspec_jax.provenance import write_bytes_atomic, write_json_atomic
 
-from .campaign import LOG_FILE, read_records
+from .campaign import LOG_FILE, read_records, tokens_estimated
 
 FLAT = 0.01  # a kind whose tau gained less than this share over the last segment has stopped growing
 
@@ -39,16 +39,18 @@ def curve_points(records: list[dict]) -> dict[str, list[dict]]:
         raise InputError(f"no segment recorded yet ({LOG_FILE} is empty or missing): run a segment first")
     curves: dict[str, list[dict]] = {}
     before = None  # the held-out set of the last point
-    for record in records:
+    for n, record in enumerate(records):
         held = heldout_set(record)
         if held != before:
+            estimated = tokens_estimated(records[:n])
             for head, numbers in (record.get("held_out_start") or {}).items():
                 curves.setdefault(head, []).append({"segment": record["segment"] - 1,
                                                     "tokens": record["campaign_tokens"] - record["tokens_this_run"],
-                                                    "heldout": held, **numbers})
+                                                    "tokens_estimated": estimated, "heldout": held, **numbers})
+        estimated = tokens_estimated(records[:n + 1])
         for head, numbers in (record.get("held_out_end") or {}).items():
             curves.setdefault(head, []).append({"segment": record["segment"], "tokens": record["campaign_tokens"],
-                                                "heldout": held, **numbers})
+                                                "tokens_estimated": estimated, "heldout": held, **numbers})
         before = held
     return curves
 
@@ -78,7 +80,8 @@ def markdown(curves: dict[str, list[dict]]) -> str:
              "Held-out, teacher-forced, per head: loss, chain tau and tau per kind of prompt against the real",
              "tokens the campaign has trained (segment 0: the heads it started from), after each segment. Each",
              "number is measured on one set of held-out answers (column \"set\"); where the set changes, the",
-             "segment's start is listed too, so compare rows of one set only. Written by `python -m",
+             "segment's start is listed too, so compare rows of one set only. A count marked ~ includes a",
+             "segment whose token count is an estimate (its record says why). Written by `python -m",
              "jetspec_jax.train.learning_curve`.", ""]
     for head, points in curves.items():
         kinds = sorted({k for p in points for k in p.get("tau_by_kind", {})})
@@ -87,7 +90,8 @@ def markdown(curves: dict[str, list[dict]]) -> str:
                   "|---" * (5 + len(kinds)) + "|"]
         for p in points:
             by_kind = p.get("tau_by_kind", {})
-            lines.append(f"| {p['segment']} | {letters[p['heldout']]} | {p['tokens'] / 1e6:.1f}M | {p['loss']:.3f} | "
+            tokens = ("~" if p.get("tokens_estimated") else "") + f"{p['tokens'] / 1e6:.1f}M"
+            lines.append(f"| {p['segment']} | {letters[p['heldout']]} | {tokens} | {p['loss']:.3f} | "
                          f"{p['tau']:.2f} | " + " | ".join(f"{by_kind[k]:.2f}" if k in by_kind else "" for k in kinds)
                          + " |")
         gains = growth(points)
