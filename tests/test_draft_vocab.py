@@ -5,6 +5,8 @@ output stays AR's, and the counts it is chosen from travel beside the head."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from test_train import corpus, tiny_target  # noqa: F401  (fixtures)
 from jetspec_jax import draft_vocab
 from jetspec_jax.autoregressive import GenerationConfig, prefill
 from jetspec_jax.errors import DamagedFileError, InputError
-from jetspec_jax.loading.head_checkpoint import load_head, save_head
+from jetspec_jax.loading.head_checkpoint import PACKAGED_HEADS_DIR, PACKAGED_INDEX, load_head, save_head
 from jetspec_jax.models import draft_head
 from jetspec_jax.speculative import SpecConfig, draft_tree
 from jetspec_jax.train.token_counts import corpus_counts, write_counts
@@ -82,6 +84,18 @@ def test_the_counts_file_round_trips_and_refuses_what_does_not_fit(tmp_path):
     with pytest.raises(DamagedFileError, match="not a readable token-counts file"):
         draft_vocab.load_counts(str(tmp_path), 10)
     assert sorted(p.name for p in tmp_path.iterdir()) == [draft_vocab.COUNTS_FILE]  # no temporary left
+
+
+def test_every_shipped_head_carries_the_token_counts_of_its_training_answers():
+    """So --draft-vocab works with the packaged heads: counts of their target's vocabulary and fingerprint."""
+    with open(PACKAGED_INDEX, encoding="utf-8") as f:
+        index = json.load(f)
+    vocab_sizes = {"9cef354d3fd320b9": 49152}  # the embedded SmolLM2-135M-Instruct
+    for fingerprint, entry in index.items():
+        for name in {v for k, v in entry.items() if k != "target"}:
+            counts = draft_vocab.load_counts(os.path.join(PACKAGED_HEADS_DIR, name), vocab_sizes[fingerprint],
+                                             fingerprint)
+            assert counts.sum() > 1_000_000, name  # a corpus's answers, not a smoke run's
 
 
 def prefilled(target, prompts, cache_len: int = 48):
