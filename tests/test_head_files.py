@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import make_tiny_checkpoint
 
-from jetspec_jax import api
+from jetspec_jax import api, draft_vocab
 from jetspec_jax import generate as generate_cli
 from jetspec_jax.cli_loading import resolve_method_and_head
 from jetspec_jax.eval import runner
@@ -413,8 +413,9 @@ def test_single_file_heads_verify_and_load_unchanged(single_file_shipped_head, e
 
 @pytest.mark.parametrize("name", shipped_head_dirs())
 def test_shipped_sharded_heads_verify_and_load_unchanged(name):
-    """The shipped heads outgrow MAX_SHARD_BYTES: shards only, each under the repository's limit with the
-    sha256 draft_config.json records, loaded tensor for tensor as stored."""
+    """The shipped heads outgrow MAX_SHARD_BYTES: shards only (beside the config and the token counts that
+    --draft-vocab reads), each under the repository's limit with the sha256 draft_config.json records,
+    loaded tensor for tensor as stored."""
     from safetensors import safe_open
 
     path = os.path.join(PACKAGED_HEADS_DIR, name)
@@ -422,7 +423,8 @@ def test_shipped_sharded_heads_verify_and_load_unchanged(name):
     shards = [os.path.join(path, shard_file_name(i, len(record.weights_shards)))
               for i in range(1, len(record.weights_shards) + 1)]
     assert len(shards) >= 2 and record.weights_sha256 is None
-    assert sorted(os.listdir(path)) == sorted([CONFIG_FILE] + [os.path.basename(s) for s in shards])
+    assert sorted(os.listdir(path)) == sorted([CONFIG_FILE, draft_vocab.COUNTS_FILE]
+                                              + [os.path.basename(s) for s in shards])
     assert [file for file, _ in record.weight_files] == shards
     for shard, (_, sha) in zip(shards, record.weights_shards):
         assert file_sha256(shard) == sha and os.path.getsize(shard) <= MAX_SHARD_BYTES
