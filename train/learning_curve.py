@@ -39,15 +39,15 @@ def curve_points(records: list[dict]) -> dict[str, list[dict]]:
         raise InputError(f"no segment recorded yet ({LOG_FILE} is empty or missing): run a segment first")
     curves: dict[str, list[dict]] = {}
     before = None  # the held-out set of the last point
-    for n, record in enumerate(records):
+    estimated = False  # whether the campaign's total so far includes a segment's estimated tokens
+    for record in records:
         held = heldout_set(record)
         if held != before:
-            estimated = tokens_estimated(records[:n])
             for head, numbers in (record.get("held_out_start") or {}).items():
                 curves.setdefault(head, []).append({"segment": record["segment"] - 1,
                                                     "tokens": record["campaign_tokens"] - record["tokens_this_run"],
                                                     "tokens_estimated": estimated, "heldout": held, **numbers})
-        estimated = tokens_estimated(records[:n + 1])
+        estimated = estimated or tokens_estimated([record])
         for head, numbers in (record.get("held_out_end") or {}).items():
             curves.setdefault(head, []).append({"segment": record["segment"], "tokens": record["campaign_tokens"],
                                                 "tokens_estimated": estimated, "heldout": held, **numbers})
