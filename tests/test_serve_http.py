@@ -318,7 +318,7 @@ def connection_refused_within(url: str, seconds: float) -> bool:
     while time.monotonic() < deadline:
         try:
             assert httpx.get(f"{url}/health", timeout=5).status_code == 503
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ReadError):  # refused, or reset unanswered from the closing backlog
             return True
         time.sleep(0.02)
     return False
