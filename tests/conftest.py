@@ -9,7 +9,7 @@ import os
 # Eight fake CPU devices for the sharding tests; set before jax starts. Unsharded code uses device 0.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Each test worker takes its share of the cores for torch (the transformers comparisons): its OpenMP
-# threads spin while they wait, so a thread a core in every worker ran those tests twice as slow.
+# threads spin while they wait, so a thread a core in every worker oversubscribes them (docs/tests.md).
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # in a worker (the main process would pass its value on)
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))

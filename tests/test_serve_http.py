@@ -313,7 +313,8 @@ def test_queue_overflow_is_429_and_shutdown_answers_the_queue(tiny):
 
 
 def connection_refused_within(url: str, seconds: float) -> bool:
-    """Whether new connections to `url` are refused within `seconds` (until then a request gets 503)."""
+    """Whether new connections to `url` are refused (or reset unanswered) within `seconds` (until then a
+    request gets 503)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
