@@ -4,6 +4,7 @@ reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -27,6 +28,15 @@ QWEN3_30B_A3B = qwen3.Config(architecture="qwen3_moe", vocab_size=151936, hidden
 SHAPES = {"smollm2-135m-shaped": (SMOLLM2_135M, "SmolLM2-135M-shaped", 3),
           "qwen3-8b-shaped": (QWEN3_8B, "Qwen3-8B-shaped", 5),
           "qwen3-30b-a3b-shaped": (QWEN3_30B_A3B, "Qwen3-30B-A3B-shaped", 5)}
+
+
+def shape_config(name: str, target_layers: int | None = None) -> qwen3.Config:
+    """A shape's config, or its first `target_layers` layers (a quick check)."""
+    cfg = SHAPES[name][0]
+    if not target_layers:
+        return cfg
+    return dataclasses.replace(cfg, num_layers=target_layers,
+                               moe_layers=tuple(i for i in cfg.moe_layers if i < target_layers))
 
 
 def distinct_experts(num_experts: int, per_token: int, tokens: int) -> float:

@@ -16,15 +16,15 @@ prefill and the call's fixed cost cancel. Each row holds `ar_step_ms` (the same 
 `loop_step_ms`, their ratio, and the floor of each: the device's measured copy bandwidth and bf16
 matmul rate (timed first) against the bytes and FLOPs a pass must move and compute (shapes.py: every
 weight it uses read once, an MoE layer's experts as many as the pass's tokens reach, the cache read
-once; a speculative step is a head pass and a verify pass). Rows already in `--out` for the same
-device are kept and skipped, and `--minutes` stops starting rows past its box, so a grid can be
-measured over several runs.
+once; a speculative step is a head pass and a verify pass). Once the device has more rows than the
+cost model has coefficients, each row's step is printed beside the model's prediction from a fit to the
+others (step_cost.py). Rows already in `--out` for the same device are kept and skipped, and
+`--minutes` stops starting rows past its box, so a grid can be measured over several runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -36,7 +36,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_call, write_json_atomic  # noqa: E402
-from shapes import SHAPES, draft_pass_cost, floor_ms, pass_cost, touched_experts  # noqa: E402
+from shapes import SHAPES, draft_pass_cost, floor_ms, pass_cost, shape_config, touched_experts  # noqa: E402
+from step_cost import COEFFICIENTS, with_predictions  # noqa: E402
+from step_cost import COLUMNS as COST_COLUMNS  # noqa: E402
 
 from jetspec_jax import draft_vocab  # noqa: E402
 from jetspec_jax.autoregressive import GenerationConfig, generate_tokens  # noqa: E402
@@ -77,10 +79,8 @@ def load_model(name: str, dtype, head_layers: int | None, target_layers: int | N
         head_cfg, head = load_head(path, dtype)
         return (target.cfg, target.params, head_cfg, head, f"{os.path.basename(target.source)}, shipped JetSpec head",
                 lambda n: draft_vocab.for_head(path, head, target, n))
-    cfg, description, default_layers = SHAPES[name]
-    if target_layers:
-        cfg = dataclasses.replace(cfg, num_layers=target_layers,
-                                  moe_layers=tuple(i for i in cfg.moe_layers if i < target_layers))
+    _, description, default_layers = SHAPES[name]
+    cfg = shape_config(name, target_layers)
     params = init_params(qwen3.param_specs(cfg), jax.random.key(0), dtype)
     head_cfg = draft_head.DraftConfig.for_target(cfg, num_layers=head_layers or default_layers)
     head = init_params(draft_head.param_specs(head_cfg), jax.random.key(1), dtype)
@@ -177,7 +177,7 @@ def main():
             floor_step = (floor_ms(pass_cost(cfg, budget, batch, context, itemsize), *floors)
                           + floor_ms(draft_pass_cost(head_cfg, cfg, batch, context, itemsize, vocab), *floors))
             row = dict(model=name, description=description, device=device, run=len(runs) - 1, batch=batch,
-                       context=context,
+                       context=context, target_layers=cfg.num_layers, head_layers=head_cfg.num_layers,
                        budget=budget, draft_vocab=vocab, steps=steps, ar_step_ms=ar_ms[batch, context], loop_step_ms=step_ms,
                        step_over_ar=step_ms / ar_ms[batch, context], floor_ar_ms=floor_ar, floor_step_ms=floor_step,
                        floor_step_over_ar=floor_step / floor_ar, step_over_floor=step_ms / floor_step,
@@ -192,6 +192,9 @@ def main():
     payload["rows"] = rows
     write_json_atomic(args.out, payload)
     print_table(rows, columns)
+    if len(rows) > len(COEFFICIENTS):
+        print("The cost model (step_cost.py), each row's step predicted by a fit to the other rows:")
+        print_table(with_predictions(rows, ceilings)[0], COST_COLUMNS)
     measured = {row_key(r) for r in rows}
     left = [(m, b, c, budget, n) for m in args.models for b in args.batches for c in args.contexts
             for budget in args.budgets for n in vocabs if (m, b, c, budget, n) not in measured]
