@@ -1,5 +1,5 @@
 """benchmarks/step_floor.py: its floor model's counts, and a smoke run on a four-layer shape (not a
-measurement) that resumes a grid from its --out file."""
+measurement) that resumes a grid from its --out file; paper_speedup.py's pricing of the paper's tau."""
 
 from __future__ import annotations
 
@@ -56,3 +56,14 @@ def test_a_grid_is_measured_and_resumed(tmp_path):
     assert len(result["runs"]) == 2 and all(r["ceilings"]["copy_bytes_per_s"] > 0 for r in result["runs"])
     for row in result["rows"]:
         assert row["loop_step_ms"] > 0 and row["ar_step_ms"] > 0 and row["floor_step_ms"] > row["floor_ar_ms"]
+
+
+def test_the_papers_tau_is_priced_at_our_step_cost():
+    from paper_speedup import PAPER_TABLE_2, speedup_rows
+
+    costs = {(1024, b): dict(step_over_ar=r, device="test") for b, r in ((64, 1.25), (128, 1.5), (256, 2.0))}
+    rows = speedup_rows(costs)
+    assert len(rows) == 3 * len(PAPER_TABLE_2)
+    gsm8k_256 = next(r for r in rows if r["benchmark"] == "GSM8K" and r["budget"] == 256)
+    assert gsm8k_256["speedup"] == pytest.approx(8.62 / 2.0)
+    assert gsm8k_256["paper_step_over_ar"] == pytest.approx(8.62 / 7.82)
