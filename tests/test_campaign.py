@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from test_train import TEST_SETTINGS, corpus, one_device, tiny_target  # noqa: F
 from jetspec_jax import draft_vocab
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
+from jetspec_jax.train import campaign
 from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, append_record, bring_back,
                                         overhead_seconds, read_records, run_segment, segment_overrides,
                                         tokens_estimated, training_minutes)
@@ -131,6 +133,75 @@ def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target
                              seed=cfg.run.seed).dataset
     tokens = [int(np.sum(stream[i]["length"])) for i in range(5 + second["steps_this_run"])]
     assert second["tokens_this_run"] == sum(tokens[5:]) != sum(tokens[:second["steps_this_run"]])
+
+
+class MachineLost(Exception):
+    """The machine taken back in the middle of a segment."""
+
+
+def test_a_segment_lost_mid_run_leaves_its_last_interim_bring_back(tiny_target, corpus, start_head, tmp_path,
+                                                                   monkeypatch):
+    cycle = "steps_per_minute = 5\nwarmup_steps = 2\npeak_learning_rate = 3e-3\nfresh_samples = false"
+    spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle)
+    back = tmp_path / "back"
+    seen = []  # each interim bring-back's record, as a copy of the folder taken then holds it
+    replace = campaign.replace_folder
+
+    def replace_then_lose_the_machine(destination, build):
+        replace(destination, build)
+        seen.append(json.loads((back / "records" / "segment-001" / "segment.json").read_text()))
+        if len(seen) == 3:
+            raise MachineLost
+
+    monkeypatch.setattr(campaign, "replace_folder", replace_then_lose_the_machine)
+    with pytest.raises(MachineLost):  # every step is past the interval: a bring-back after steps 1, 2 and 3
+        on_machine(spec, tmp_path, 1, corpus, minutes=1, bring_back_to=str(back), bring_back_every=1e-9)
+    monkeypatch.setattr(campaign, "replace_folder", replace)
+    assert not (tmp_path / "campaign" / "segments.jsonl").exists()  # the segment never finished
+    assert [r["steps"] for r in seen] == [1, 2, 3] and all(r["unfinished"] for r in seen)
+    assert seen[-1]["tokens_this_run"] > seen[0]["tokens_this_run"] > 0 and seen[-1]["held_out_end"] is None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("back")) == ["back"]  # swapped whole
+    last = seen[-1]
+    assert verify_head_files(str(back / "export" / "head-0")).weights_digest() == last["heads_after"][0]
+    assert last["heads_after"] != last["heads_before"]
+    log = [json.loads(line) for line in (back / "records" / "segments.jsonl").read_text().splitlines()]
+    assert log == [last]
+    # the heads brought back are the weights after step 3: a segment of three steps exports the same
+    clean = write_campaign(tmp_path / "clean", tiny_target, start_head, cycle)
+    three = on_machine(clean, tmp_path, 2, corpus, minutes=1, max_steps=3)
+    assert three["planned_steps"] == last["planned_steps"]
+    got, want = (load_head_weights(verify_head_files(str(path / "head-0")), jnp.float32)
+                 for path in (back / "export", tmp_path / "machine-2" / "export"))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+    # the next machine: the records copied over the campaign folder, the heads as its state
+    shutil.copytree(back / "records", tmp_path / "campaign", dirs_exist_ok=True)
+    carried = tmp_path / "carried"
+    second = on_machine(spec, tmp_path, 3, corpus, minutes=1, max_steps=2, state=str(back / "export"),
+                        bring_back_to=str(carried), bring_back_every=1e-9)
+    assert second["segment"] == 2 and second["heads_before"] == last["heads_after"]
+    assert second["corpus"]["start_step"] == 3  # the stream goes on after the lost segment's three steps
+    # a finished segment's bring-back replaces its interim ones whole
+    log = (tmp_path / "campaign" / "segments.jsonl").read_text()
+    assert (carried / "records" / "segments.jsonl").read_text() == log
+    assert "unfinished" not in read_records(str(carried / "records"))[-1]
+    assert verify_head_files(str(carried / "export" / "head-0")).weights_digest() == second["heads_after"][0]
+
+
+def test_bring_backs_need_a_folder_of_their_own_and_interim_ones_the_restart_mode(tiny_target, start_head, tmp_path):
+    restart = write_campaign(tmp_path / "restart", tiny_target, start_head, "steps_per_minute = 5")
+    with pytest.raises(InputError, match="--bring-back-every needs --bring-back"):
+        run_segment(restart, minutes=1, out_dir=str(tmp_path / "out"), bring_back_every=1.0)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("a user's file")
+    with pytest.raises(InputError, match="holds notes.txt"):  # never replaced by a bring-back
+        run_segment(restart, minutes=1, out_dir=str(tmp_path / "out"), bring_back_to=str(home))
+    assert (home / "notes.txt").read_text() == "a user's file"
+    continued = write_campaign(tmp_path / "continue", tiny_target, start_head, 'mode = "continue"\ntotal_steps = 8')
+    with pytest.raises(InputError, match="restart"):
+        run_segment(continued, minutes=1, out_dir=str(tmp_path / "out"), bring_back_to=str(tmp_path / "back"),
+                    bring_back_every=1.0)
 
 
 def test_segments_on_other_corpora_measure_the_pinned_heldout_answers(tiny_target, corpus, start_head, tmp_path):

@@ -9,7 +9,8 @@ below) and, as segments run, `segments.jsonl` (one record each: command, commit,
 seconds, held-out numbers per head and kind at its start and end, the heads' digests) and `segment-NNN/`
 (its metrics.jsonl, data_plan.json and the manifest of a corpus it regenerated). With `heldout_answers`
 set, the first segment pins its corpus's held-out answers in that file and every segment measures on them
-(train/heldout.py). `--bring-back DIR` gathers in one folder what the next segment and the repository need.
+(train/heldout.py). `--bring-back DIR` gathers in one folder what the next segment and the repository need;
+with `--bring-back-every M` also every M minutes while the segment trains, so a lost machine loses no more.
 
 Two ways to continue (campaign.toml's `cycle.mode`):
 - "restart": every segment starts from the exported heads of the last (bf16 weights, what a segment brings
@@ -211,10 +212,14 @@ def held_out(row: dict) -> dict:
 
 def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str | None = None,
                 resume_from: str | None = None, corpus_dir: str | None = None, extra: list[str] = (),
-                command: str | None = None, max_steps: int = 0, mesh=None, finish_within: float | None = None) -> dict:
+                command: str | None = None, max_steps: int = 0, mesh=None, finish_within: float | None = None,
+                bring_back_to: str | None = None, bring_back_every: float = 0.0) -> dict:
     """One segment: corpus (regenerated unless given), training (on `mesh`, default all devices) for `minutes`
-    or what `finish_within` leaves after the corpus, export, and the record appended to the campaign's log.
-    Returns the record."""
+    or what `finish_within` leaves after the corpus, export, the record appended to the campaign's log, and
+    with `bring_back_to` the segment's bring-back there. With `bring_back_every` (restart mode), every that
+    many minutes of training an interim bring-back replaces the folder's: the heads as they are and a record
+    marked unfinished, so a machine lost mid-segment leaves what the next segment starts from. Returns the
+    record."""
     from jetspec_jax.target import load_target
 
     from .corpus import MANIFEST_FILE, Corpus
@@ -224,6 +229,11 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
 
     started = time.perf_counter()
     records = read_records(spec.directory)
+    if bring_back_every and (spec.cycle.mode != "restart" or not bring_back_to):
+        raise InputError("--bring-back-every needs --bring-back and cycle.mode \"restart\" (a continued segment "
+                         "resumes from a checkpoint, which the interim bring-backs do not carry)")
+    if bring_back_to:
+        check_bring_back_folder(bring_back_to)
     if spec.cycle.mode == "continue" and records and resume_from is None:
         raise InputError("cycle.mode is \"continue\": give --resume-from, the checkpoint the last segment brought "
                          "back (or start a new campaign folder)")
@@ -259,12 +269,27 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
         if seen:  # a corpus earlier segments trained on: go on in its stream where they stopped
             cfg = load_config(spec.config, [*planned, f"data.start_step={seen}", *given])
     digests_before = heads_digests(heads)
-    summary = train(cfg, target, corpus, mesh=mesh)
-    record = segment_record(spec, records, cfg, summary, run_dir, corpus, regen_seconds, digests_before,
-                            resume_from, command or "python -m jetspec_jax.train.campaign " + shlex.join(sys.argv[1:]))
-    record["segment_seconds"] = round(time.perf_counter() - started, 1)  # the whole segment, export included
+    command = command or "python -m jetspec_jax.train.campaign " + shlex.join(sys.argv[1:])
     regenerated = os.path.join(corpus.out_dir, MANIFEST_FILE) if regen_seconds else None
+
+    def interim_bring_back(progress: dict, write_heads) -> None:
+        def build(folder: str) -> None:
+            exports = [os.path.join(folder, "export", f"head-{i}") for i in range(len(heads))]
+            write_heads(exports)
+            record = segment_record(spec, records, cfg, progress, run_dir, corpus, regen_seconds, digests_before,
+                                    resume_from, command, exports)
+            record.update(unfinished=True, held_out_end=None)  # the last evaluation may be from an earlier step
+            copy_records(spec, os.path.join(folder, "records"), record, run_dir, regenerated)
+        replace_folder(bring_back_to, build)
+
+    summary = train(cfg, target, corpus, mesh=mesh, snapshot_minutes=bring_back_every,
+                    on_snapshot=interim_bring_back if bring_back_every else None)
+    record = segment_record(spec, records, cfg, summary, run_dir, corpus, regen_seconds, digests_before,
+                            resume_from, command)
+    record["segment_seconds"] = round(time.perf_counter() - started, 1)  # the whole segment, export included
     append_record(spec.directory, record, run_dir, regenerated)
+    if bring_back_to:
+        bring_back(spec, out_dir, bring_back_to, record["segment"])
     return record
 
 
@@ -282,14 +307,17 @@ def steps_on_corpus(directory: str, records: list[dict], fingerprint: str) -> in
 
 
 def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str, corpus, regen_seconds: float,
-                   digests_before: list[str], resume_from: str | None, command: str) -> dict:
+                   digests_before: list[str], resume_from: str | None, command: str,
+                   exports: list[str] | None = None) -> dict:
+    """The segment's line in the log; its heads after are those at `exports` (default: run.export_head)."""
     from .trainer import corpus_fingerprint
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     start_row = next((r for r in rows if r.get("step") == 0 and "warm_start" in r), None)
     evals = [r for r in rows if "eval_loss" in r or "eval_by_head" in r]
-    exports = list(cfg.run.export_head) if isinstance(cfg.run.export_head, list) else [cfg.run.export_head]
+    if exports is None:
+        exports = list(cfg.run.export_head) if isinstance(cfg.run.export_head, list) else [cfg.run.export_head]
     return {
         "segment": len(records) + 1, "mode": spec.cycle.mode, "commit": git_head(), "command": command,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "devices": summary.get("devices"),
@@ -323,7 +351,12 @@ def segment_folder(directory: str, segment: int) -> str:
 def append_record(directory: str, record: dict, run_dir: str, corpus_manifest: str | None = None) -> None:
     """The segment's metrics, data plan and (when it regenerated one) its corpus's manifest into segment-NNN/,
     then its line in the log (last, so a log line always has its folder)."""
-    folder = segment_folder(directory, record["segment"])
+    write_segment_folder(segment_folder(directory, record["segment"]), record, run_dir, corpus_manifest)
+    with open(os.path.join(directory, LOG_FILE), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def write_segment_folder(folder: str, record: dict, run_dir: str, corpus_manifest: str | None) -> None:
     os.makedirs(folder, exist_ok=True)
     copies = {name: os.path.join(run_dir, name) for name in ("metrics.jsonl", "data_plan.json")}
     if corpus_manifest:
@@ -333,8 +366,6 @@ def append_record(directory: str, record: dict, run_dir: str, corpus_manifest: s
             shutil.copyfile(source, os.path.join(folder, name + ".tmp"))
             os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
     write_json_atomic(os.path.join(folder, "segment.json"), record)
-    with open(os.path.join(directory, LOG_FILE), "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def bring_in_checkpoint(source: str, checkpoints: str) -> None:
@@ -357,20 +388,63 @@ def bring_back(spec: CampaignSpec, out_dir: str, destination: str, segment: int)
     """What the next segment starts from and what the repository records, copied out of a finished segment's
     folders: the exported heads (`--state DESTINATION/export`), in continue mode the last checkpoint
     (`--resume-from DESTINATION/checkpoint`), and `records/`: the campaign's log with this segment's line,
-    its segment-NNN/ folder and the pinned held-out answers, to copy over the campaign folder they came from."""
-    os.makedirs(destination, exist_ok=True)
-    shutil.copytree(os.path.join(out_dir, "export"), os.path.join(destination, "export"), dirs_exist_ok=True)
-    if spec.cycle.mode == "continue":
-        step = latest_checkpoint(os.path.join(out_dir, "campaign"))
-        if step is None:
-            raise InputError(f"no checkpoint in {out_dir}/campaign/checkpoints to bring back")
-        shutil.copytree(step, os.path.join(destination, "checkpoint", os.path.basename(step)), dirs_exist_ok=True)
-    records = os.path.join(destination, "records")
-    folder = segment_folder(spec.directory, segment)
-    shutil.copytree(folder, os.path.join(records, os.path.basename(folder)), dirs_exist_ok=True)
-    for path in (os.path.join(spec.directory, LOG_FILE), spec.heldout_path):
-        if path and os.path.exists(path):
-            shutil.copyfile(path, os.path.join(records, os.path.basename(path)))
+    its segment-NNN/ folder and the pinned held-out answers, to copy over the campaign folder they came from.
+    It replaces what `destination` held (an unfinished segment's bring-back) whole."""
+    check_bring_back_folder(destination)
+
+    def build(folder: str) -> None:
+        shutil.copytree(os.path.join(out_dir, "export"), os.path.join(folder, "export"))
+        if spec.cycle.mode == "continue":
+            step = latest_checkpoint(os.path.join(out_dir, "campaign"))
+            if step is None:
+                raise InputError(f"no checkpoint in {out_dir}/campaign/checkpoints to bring back")
+            shutil.copytree(step, os.path.join(folder, "checkpoint", os.path.basename(step)))
+        records = os.path.join(folder, "records")
+        source = segment_folder(spec.directory, segment)
+        shutil.copytree(source, os.path.join(records, os.path.basename(source)))
+        for path in (os.path.join(spec.directory, LOG_FILE), spec.heldout_path):
+            if path and os.path.exists(path):
+                shutil.copyfile(path, os.path.join(records, os.path.basename(path)))
+    replace_folder(destination, build)
+
+
+def copy_records(spec: CampaignSpec, records: str, record: dict, run_dir: str, corpus_manifest: str | None) -> None:
+    """An unfinished segment's `records/`: the campaign's log with its line added, its segment-NNN/ folder as
+    it stands, the pinned held-out answers."""
+    write_segment_folder(segment_folder(records, record["segment"]), record, run_dir, corpus_manifest)
+    with open(os.path.join(records, LOG_FILE), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [*read_records(spec.directory), record])
+    if spec.heldout_path and os.path.exists(spec.heldout_path):
+        shutil.copyfile(spec.heldout_path, os.path.join(records, os.path.basename(spec.heldout_path)))
+
+
+BRING_BACK_ENTRIES = {"export", "checkpoint", "records"}
+
+
+def check_bring_back_folder(path: str) -> None:
+    """A bring-back replaces its folder whole: refuse one that holds anything a bring-back does not."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"--bring-back {path} is a file: give a new or empty folder")
+    other = sorted(set(os.listdir(path)) - BRING_BACK_ENTRIES) if os.path.isdir(path) else []
+    if other:
+        raise InputError(f"--bring-back {path} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, "
+                         "which a bring-back would replace: give a new or empty folder, or one a segment brought "
+                         "back into")
+
+
+def replace_folder(destination: str, build) -> None:
+    """`build(folder)` fills a folder beside `destination`, which then takes its place: a copy taken at any
+    moment holds the old bring-back or the new one whole (between the two renames, DESTINATION.old)."""
+    destination = os.path.normpath(destination)
+    partial, old = destination + ".partial", destination + ".old"
+    for leftover in (partial, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    os.makedirs(partial)
+    build(partial)
+    if os.path.exists(destination):
+        os.rename(destination, old)
+    os.rename(partial, destination)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
@@ -394,6 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bring-back", default=None, help="copy what the next segment needs here: export/ (the heads), "
                                                        "in continue mode checkpoint/ (the last step's state), and "
                                                        "records/ (the segment's log line and folder)")
+    p.add_argument("--bring-back-every", type=float, default=0.0, metavar="MINUTES",
+                   help="restart mode: every this many minutes of training, replace --bring-back's folder with the "
+                        "heads as they are and the segment's record so far (marked unfinished), so a machine lost "
+                        "mid-segment still leaves what the next segment starts from")
     p.add_argument("overrides", nargs="*", help="section.key=value after the campaign's, e.g. data.data_dir=DIR")
     return p
 
@@ -403,9 +481,8 @@ def campaign_command(argv=None) -> int:
     spec = CampaignSpec.read(args.campaign)
     record = run_segment(spec, minutes=args.minutes, out_dir=args.out_dir, state=args.state,
                          resume_from=args.resume_from, corpus_dir=args.corpus, extra=args.overrides,
-                         finish_within=args.finish_within)
-    if args.bring_back:
-        bring_back(spec, args.out_dir, args.bring_back, record["segment"])
+                         finish_within=args.finish_within, bring_back_to=args.bring_back,
+                         bring_back_every=args.bring_back_every)
     print(json.dumps(record, indent=2))
     return 0
 

@@ -574,12 +574,28 @@ def summary_of_head(summary: dict, name: str, heads: list[str]) -> dict:
     return {**own, "head": name, "trained_with": heads}
 
 
+def export_heads(cfg: TrainConfig, trainer: "Trainer", params, summary: dict, target: Target, corpus: Corpus,
+                 directories: dict[str, str]) -> None:
+    """Each named head's weights (bf16) into its directory, with the run's config and summary beside them."""
+    for name, directory in directories.items():
+        weights = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16), params[name] if cfg.is_pair else params)
+        save_head(directory, trainer.heads[name], weights,
+                  metadata={"config": json.dumps(cfg.to_dict()),
+                            "summary": json.dumps(summary_of_head(summary, name, list(trainer.heads))
+                                                  if cfg.is_pair else summary),
+                            "target": target.name, "corpus": corpus_fingerprint(corpus)}, target=target)
+
+
 def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
-          stop_after: int | None = None, on_step: Callable[[int, dict], None] | None = None) -> dict:
+          stop_after: int | None = None, on_step: Callable[[int, dict], None] | None = None,
+          snapshot_minutes: float = 0.0,
+          on_snapshot: Callable[[dict, Callable[[list[str]], None]], None] | None = None) -> dict:
     """Trains on `corpus.answers("train")` (resuming from the run directory's latest checkpoint), measures
     on `corpus.answers("heldout")` every run.eval_every steps, and exports the head (each head of a config
     listing several to its run.export_head entry). `stop_after` ends the process early without a final
-    save (used to test kill-and-resume)."""
+    save (used to test kill-and-resume). Every `snapshot_minutes` of training, `on_snapshot(progress,
+    write_heads)` gets the summary so far and a function that exports the heads as they are now (bf16,
+    one directory per head, in the order of run.export_head), so a run that never ends still leaves them."""
     run_dir = os.path.join(cfg.run.out_dir, cfg.run.name)
     os.makedirs(run_dir, exist_ok=True)
     mesh = sharding.make_mesh(cfg.run.mesh_model) if mesh is None else mesh
@@ -639,7 +655,21 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
             starting_row.update(trainer.evaluate(state["params"], eval_batches))
         append_jsonl(metrics_path, starting_row)
     bar = tqdm(total=cfg.optim.total_steps, initial=start, desc=cfg.run.name, dynamic_ncols=True)
-    t_start = t_last = time.perf_counter()  # run.max_minutes and the rates count from here, all compiled
+    t_start = t_last = t_snapshot = time.perf_counter()  # run.max_minutes and the rates count from here, all compiled
+
+    def summary_now(step: int) -> dict:
+        counter.flush()
+        seconds_this_run = time.perf_counter() - t_start  # read once, so the two fields below agree
+        summary = {"steps": step, "steps_this_run": step - start, "tokens_seen": counter.seen["real_tokens"],
+                   "tokens_seen_this_run": counter.seen["real_tokens"] - tokens_before,
+                   "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
+                   "devices": [d.device_kind for d in mesh.devices.flat],
+                   "train_seconds": seconds_before + seconds_this_run, "train_seconds_this_run": seconds_this_run,
+                   "compile_seconds_this_run": round(ahead["compile_seconds"], 2), **last_eval}
+        if warm_start:
+            summary["warm_start"] = warm_start
+        return summary
+
     last_eval, step = {}, start
     terminated = StopRequest.on_sigterm()
     while step < cfg.optim.total_steps:
@@ -672,6 +702,11 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
         bar.update(1)
         if ckpt.manager.should_save(step):
             ckpt.save(step, state, data_state_now())
+        if on_snapshot is not None and not last and time.perf_counter() - t_snapshot >= 60 * snapshot_minutes:
+            progress, params = summary_now(step), state["params"]
+            on_snapshot(progress, lambda dirs: export_heads(cfg, trainer, params, progress, target, corpus,
+                                                            dict(zip(trainer.heads, dirs))))
+            t_snapshot = time.perf_counter()
         if stop_after is not None and step >= stop_after:
             terminated.restore()
             ckpt.wait()
@@ -687,26 +722,9 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
         ckpt.wait()
     ckpt.close()
     bar.close()
-    counter.flush()
-    seconds_this_run = time.perf_counter() - t_start  # read once, so the two fields below agree
-    summary = {"steps": step, "steps_this_run": step - start, "tokens_seen": counter.seen["real_tokens"],
-               "tokens_seen_this_run": counter.seen["real_tokens"] - tokens_before,
-               "answer_tokens_seen": counter.seen["answer_tokens"], "mesh": dict(mesh.shape),
-               "devices": [d.device_kind for d in mesh.devices.flat],
-               "train_seconds": seconds_before + seconds_this_run, "train_seconds_this_run": seconds_this_run,
-               "compile_seconds_this_run": round(ahead["compile_seconds"], 2), **last_eval}
-    if warm_start:
-        summary["warm_start"] = warm_start
-    for name, alone in cfg.single_heads().items():
-        if not alone.run.export_head:
-            continue
-        params = jax.tree.map(lambda p: np.asarray(p, dtype=jnp.bfloat16),
-                              state["params"][name] if cfg.is_pair else state["params"])
-        save_head(alone.run.export_head, trainer.heads[name], params,
-                  metadata={"config": json.dumps(cfg.to_dict()),
-                            "summary": json.dumps(summary_of_head(summary, name, list(trainer.heads))
-                                                  if cfg.is_pair else summary),
-                            "target": target.name, "corpus": corpus_fingerprint(corpus)}, target=target)
+    summary = summary_now(step)
+    export_heads(cfg, trainer, state["params"], summary, target, corpus,
+                 {name: alone.run.export_head for name, alone in cfg.single_heads().items() if alone.run.export_head})
     exported = [alone.run.export_head for alone in cfg.single_heads().values() if alone.run.export_head]
     if exported:  # beside each head, its corpus's token counts: what --draft-vocab picks from
         write_counts(corpus, exported, target.fingerprint)
