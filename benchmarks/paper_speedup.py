@@ -12,12 +12,12 @@ so the step cost it implies (tau / speedup) is against a slower baseline than ou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json_atomic  # noqa: E402
+from step_cost import read_step_floor  # noqa: E402
 
 MODEL = "qwen3-8b-shaped"
 # benchmark -> budget -> (speedup, tau): the paper's Table 2, JetSpec, T=0
@@ -34,12 +34,8 @@ PAPER_TABLE_2 = {
 
 def step_costs(path: str) -> dict[tuple[int, int], dict]:
     """(context, budget) -> the newest batch-1 row of the 8B shape over the whole vocabulary."""
-    with open(path) as f:
-        payload = json.load(f)
-    if payload.get("benchmark") != "step_floor":
-        raise SystemExit(f"error: {path} is not a step_floor result (benchmarks/step_floor.py writes them)")
     rows = {}
-    for row in payload["rows"]:
+    for row in read_step_floor(path)["rows"]:
         if row["model"] == MODEL and row["batch"] == 1 and row.get("draft_vocab") is None:
             rows[row["context"], row["budget"]] = row
     if not rows:

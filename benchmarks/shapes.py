@@ -44,6 +44,11 @@ def distinct_experts(num_experts: int, per_token: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - per_token / num_experts) ** tokens)
 
 
+def attention_flops(num_heads: int, head_dim: int, layers: int, tokens: int, seen: int) -> int:
+    """FLOPs of `tokens` queries each attending to `seen` keys (scores and values) in every layer."""
+    return 4 * tokens * seen * num_heads * head_dim * layers
+
+
 def pass_cost(cfg: qwen3.Config, tokens_per_row: int, rows: int, context: int, itemsize: int = 2) -> tuple[int, int]:
     """(bytes, FLOPs) one target forward over `tokens_per_row` new tokens of `rows` sequences holding
     `context` cached tokens must move and compute at least: every weight it uses read once (an MoE layer's
@@ -69,9 +74,9 @@ def pass_cost(cfg: qwen3.Config, tokens_per_row: int, rows: int, context: int, i
             flops += 2 * tokens * size
     kv_row = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize * cfg.num_layers
     cache_bytes = rows * (context * kv_row + tokens_per_row * kv_row)  # read the context, write the new rows
-    attention_flops = 4 * tokens * (context + tokens_per_row) * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    attention = attention_flops(cfg.num_heads, cfg.head_dim, cfg.num_layers, tokens, context + tokens_per_row)
     logits_bytes = tokens * cfg.vocab_size * 4
-    return weight_bytes + cache_bytes + logits_bytes, flops + attention_flops
+    return weight_bytes + cache_bytes + logits_bytes, flops + attention
 
 
 def draft_pass_cost(head: draft_head.DraftConfig, target: qwen3.Config, rows: int, context: int,
@@ -92,9 +97,9 @@ def draft_pass_cost(head: draft_head.DraftConfig, target: qwen3.Config, rows: in
     vocab = draft_vocab or target.vocab_size
     lm_head = vocab * target.hidden_size
     kv_row = 2 * head.num_kv_heads * head.head_dim * itemsize * head.num_layers
-    attention_flops = 4 * slots * (context + head.block_size) * head.num_heads * head.head_dim * head.num_layers
+    attention = attention_flops(head.num_heads, head.head_dim, head.num_layers, slots, context + head.block_size)
     nbytes = weight_bytes + lm_head * itemsize + rows * context * kv_row + slots * vocab * 4
-    return nbytes, flops + 2 * slots * lm_head + attention_flops
+    return nbytes, flops + 2 * slots * lm_head + attention
 
 
 def floor_ms(cost: tuple[int, int], bandwidth: float, flop_rate: float) -> float:

@@ -31,7 +31,7 @@ from scipy.optimize import nnls
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json_atomic  # noqa: E402
-from shapes import SHAPES, draft_pass_cost, pass_cost, shape_config  # noqa: E402
+from shapes import SHAPES, attention_flops, draft_pass_cost, pass_cost, shape_config  # noqa: E402
 
 from jetspec_jax.models import draft_head  # noqa: E402
 
@@ -50,10 +50,6 @@ class Point:
     draft_vocab: int | None = None
     target_layers: int | None = None  # None: the whole shape (rows from before step_floor recorded it)
     head_layers: int | None = None  # None: the shape's paper-sized head
-
-
-def attention_flops(num_heads: int, head_dim: int, layers: int, tokens: int, seen: int) -> float:
-    return 4.0 * tokens * seen * num_heads * head_dim * layers
 
 
 def pass_features(point: Point, ceilings: dict) -> np.ndarray:
@@ -132,14 +128,20 @@ def run_ceilings(payload: dict, device: str) -> dict:
     return payload["runs"][max(device_runs)]["ceilings"]
 
 
+def read_step_floor(path: str) -> dict:
+    """A step_floor result file, or a one-line exit naming what it is not."""
+    with open(path) as f:
+        payload = json.load(f)
+    if payload.get("benchmark") != "step_floor":
+        raise SystemExit(f"error: {path} is not a step_floor result (benchmarks/step_floor.py writes them)")
+    return payload
+
+
 def load_rows(paths: list[str], device: str | None) -> tuple[str, list[dict], dict]:
     """(device, rows, ceilings) of step_floor files: one device's rows (the only one, unless named)."""
     rows, ceilings = [], None
     for path in paths:
-        with open(path) as f:
-            payload = json.load(f)
-        if payload.get("benchmark") != "step_floor":
-            raise SystemExit(f"error: {path} is not a step_floor result (benchmarks/step_floor.py writes them)")
+        payload = read_step_floor(path)
         devices = sorted({r["device"] for r in payload["rows"]})
         if device is None and len(devices) > 1:
             raise SystemExit(f"error: {path} holds rows of {', '.join(devices)}; name one with --device")

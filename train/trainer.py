@@ -723,9 +723,9 @@ def train(cfg: TrainConfig, target: Target, corpus: Corpus, *, mesh=None,
     ckpt.close()
     bar.close()
     summary = summary_now(step)
-    export_heads(cfg, trainer, state["params"], summary, target, corpus,
-                 {name: alone.run.export_head for name, alone in cfg.single_heads().items() if alone.run.export_head})
-    exported = [alone.run.export_head for alone in cfg.single_heads().values() if alone.run.export_head]
+    directories = {name: alone.run.export_head for name, alone in cfg.single_heads().items() if alone.run.export_head}
+    export_heads(cfg, trainer, state["params"], summary, target, corpus, directories)
+    exported = list(directories.values())
     if exported:  # beside each head, its corpus's token counts: what --draft-vocab picks from
         write_counts(corpus, exported, target.fingerprint)
     if cfg.run.export_head:
