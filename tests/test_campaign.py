@@ -20,7 +20,7 @@ from jetspec_jax import draft_vocab
 from jetspec_jax.errors import InputError
 from jetspec_jax.loading.head_checkpoint import load_head_weights, verify_head_files
 from jetspec_jax.train import campaign
-from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, append_record, bring_back,
+from jetspec_jax.train.campaign import (AFTER_TRAINING_S, COMPILE_GUESS_S, CampaignSpec, append_record,
                                         overhead_seconds, read_records, run_segment, segment_overrides,
                                         tokens_estimated, training_minutes)
 from jetspec_jax.train.config import load_config
@@ -67,9 +67,8 @@ def test_continued_segments_equal_one_uninterrupted_run(tiny_target, corpus, sta
     on_machine(whole, tmp_path, 0, corpus, minutes=60)
 
     split = write_campaign(tmp_path / "split", tiny_target, start_head, cycle)
-    first = on_machine(split, tmp_path, 1, corpus, minutes=60, max_steps=4)
     carried = tmp_path / "carried"
-    bring_back(split, str(tmp_path / "machine-1"), str(carried), first["segment"])
+    first = on_machine(split, tmp_path, 1, corpus, minutes=60, max_steps=4, bring_back_to=str(carried))
     assert sorted(p.name for p in (carried / "checkpoint").iterdir()) == ["4"]
     with pytest.raises(InputError, match="--resume-from"):
         on_machine(split, tmp_path, 2, corpus, minutes=60)
@@ -94,13 +93,12 @@ def test_continued_segments_equal_one_uninterrupted_run(tiny_target, corpus, sta
 def test_restarted_segments_begin_at_the_heads_the_last_brought_back(tiny_target, corpus, start_head, tmp_path):
     cycle = "steps_per_minute = 5\nwarmup_steps = 2\npeak_learning_rate = 3e-3\nfresh_samples = false"
     spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle)
-    first = on_machine(spec, tmp_path, 1, corpus, minutes=1)
+    carried = tmp_path / "carried"
+    first = on_machine(spec, tmp_path, 1, corpus, minutes=1, bring_back_to=str(carried))
     assert first["training_minutes"] == 1
     assert first["segment_seconds"] > first["train_seconds_this_run"] + first["compile_seconds"]
     assert first["planned_steps"] == first["steps"] == 5 and first["heads_before"] == [
         verify_head_files(start_head).weights_digest()]
-    carried = tmp_path / "carried"
-    bring_back(spec, str(tmp_path / "machine-1"), str(carried), first["segment"])
     assert not (carried / "checkpoint").exists()  # restart mode carries the heads alone
     # and the records: the log with the segment's line, and its folder
     records = carried / "records"
@@ -210,18 +208,63 @@ def test_segments_on_other_corpora_measure_the_pinned_heldout_answers(tiny_targe
     cycle = "steps_per_minute = 5\nwarmup_steps = 2\npeak_learning_rate = 3e-3\nfresh_samples = false"
     spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle, 'heldout_answers = "heldout.npz"')
     first = on_machine(spec, tmp_path, 1, corpus, minutes=1, max_steps=2)
-    pinned = tmp_path / "campaign" / "heldout.npz"
+    pinned = tmp_path / "campaign" / "heldout.npz"  # the segment pinned its copy, then the campaign's
     assert first["heldout"] == {"file": "heldout.npz", "sha256": hashlib.sha256(pinned.read_bytes()).hexdigest()}
     other = rewritten(corpus, tmp_path / "other-corpus", tiny_target.cfg.vocab_size)
-    second = on_machine(spec, tmp_path, 2, other, minutes=1, max_steps=2)  # from campaign.toml's heads again
-    assert second["heldout"] == first["heldout"] and second["corpus"]["fingerprint"] != first["corpus"]["fingerprint"]
     carried = tmp_path / "carried"
-    bring_back(spec, str(tmp_path / "machine-2"), str(carried), second["segment"])
+    # from campaign.toml's heads again
+    second = on_machine(spec, tmp_path, 2, other, minutes=1, max_steps=2, bring_back_to=str(carried))
+    assert second["heldout"] == first["heldout"] and second["corpus"]["fingerprint"] != first["corpus"]["fingerprint"]
     assert (carried / "records" / "heldout.npz").read_bytes() == pinned.read_bytes()
     assert [p.name for p in (carried / "records").glob("segment-*")] == ["segment-002"]
     assert second["heads_before"] == first["heads_before"] and second["held_out_start"] == first["held_out_start"]
     plan = json.loads((tmp_path / "campaign" / "segment-002" / "data_plan.json").read_text())
-    assert plan["heldout_answers"] == {"file": str(pinned), "sha256": first["heldout"]["sha256"]}
+    assert plan["heldout_answers"] == {"file": str(tmp_path / "machine-2" / "heldout.npz"),
+                                       "sha256": first["heldout"]["sha256"]}
+
+
+def test_a_segment_brings_back_what_it_pinned_when_the_campaign_folder_changes_under_it(
+        tiny_target, corpus, start_head, tmp_path, monkeypatch, capsys):
+    """The working tree holding the campaign folder can be synced afresh while a segment runs, taking away the
+    files earlier segments left there: the segment measures on, and brings back, its own copy of the pinned
+    held-out answers, and its records come from its run, not from the folder. An interim bring-back that
+    fails is a warning, not the end of the training it guards."""
+    from jetspec_jax.train import trainer
+
+    cycle = "steps_per_minute = 5\nwarmup_steps = 2\npeak_learning_rate = 3e-3\nfresh_samples = false"
+    spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle, 'heldout_answers = "heldout.npz"')
+    first = on_machine(spec, tmp_path, 1, corpus, minutes=1, max_steps=2)
+    pinned = (tmp_path / "campaign" / "heldout.npz").read_bytes()
+    train, synced = trainer.train, []
+
+    def train_in_a_synced_tree(*args, **kwargs):  # all but campaign.toml gone as training starts
+        for path in sorted((tmp_path / "campaign").iterdir()):
+            if path.name != "campaign.toml":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                synced.append(path.name)
+        return train(*args, **kwargs)
+
+    replace, replaced = campaign.replace_folder, []
+
+    def replace_but_the_first_fails(destination, build):  # a full disk, say: training goes on
+        replaced.append(destination)
+        if len(replaced) == 1:
+            raise OSError(28, "No space left on device")
+        replace(destination, build)
+
+    monkeypatch.setattr(trainer, "train", train_in_a_synced_tree)
+    monkeypatch.setattr(campaign, "replace_folder", replace_but_the_first_fails)
+    back = tmp_path / "back"
+    second = on_machine(spec, tmp_path, 2, corpus, minutes=1, max_steps=3, bring_back_to=str(back),
+                        bring_back_every=1e-9)  # an interim bring-back after every step but the last
+    assert "the interim bring-back" in capsys.readouterr().err
+    assert len(replaced) == 3  # after steps 1 and 2 (the first failed), then the final one
+    assert synced == ["heldout.npz", "segment-001", "segments.jsonl"]
+    assert second["segment"] == 2 and second["heldout"] == first["heldout"] and "unfinished" not in second
+    assert (back / "records" / "heldout.npz").read_bytes() == pinned
+    assert read_records(str(back / "records")) == [first, second]
+    assert json.loads((back / "records" / "segment-002" / "segment.json").read_text()) == second
+    assert verify_head_files(str(back / "export" / "head-0")).weights_digest() == second["heads_after"][0]
 
 
 def test_a_segment_draws_fresh_samples_for_training_prompts_only(tiny_target, start_head, tmp_path):
@@ -293,7 +336,7 @@ def test_the_shipped_campaign_plans_its_next_segment():
     heads = [f"{REPO_ROOT}/{h}" for h in spec.heads]
     cfg = load_config(spec.config, [*spec.overrides, *segment_overrides(spec, records, 7, "OUT", heads)])
     assert cfg.data.resample == len(records) + 1 and cfg.data.regen_batch_size == 4096
-    assert cfg.data.heldout_answers == f"{folder}/heldout_answers.npz"
+    assert cfg.data.heldout_answers == "OUT/heldout_answers.npz"  # the segment's copy of the campaign's
     last = next(r for r in reversed(records) if r["train_seconds_this_run"])  # the last segment that timed it
     assert cfg.optim.total_steps == round(7 * 60 * last["steps_this_run"] / last["train_seconds_this_run"])
 

@@ -134,7 +134,7 @@ def segment_overrides(spec: CampaignSpec, records: list[dict], minutes: float, o
     out = [f"run.out_dir={out_dir}", f"run.name={name}", f"run.max_minutes={minutes}",
            f"head.init_from={value(start_heads)}", f"run.export_head={value(exports)}"]
     if spec.heldout_path:
-        out.append(f"data.heldout_answers={spec.heldout_path}")
+        out.append(f"data.heldout_answers={pinned_copy(spec, out_dir)}")
     if cycle.mode == "continue":
         return out + [f"optim.learning_rate={cycle.peak_learning_rate}", f"optim.warmup_steps={cycle.warmup_steps}",
                       f"optim.total_steps={cycle.total_steps}"]
@@ -144,6 +144,13 @@ def segment_overrides(spec: CampaignSpec, records: list[dict], minutes: float, o
     if cycle.fresh_samples:
         out += [f"data.resample={number}", f"data.regen_dir=regen-draw{number}"]
     return out
+
+
+def pinned_copy(spec: CampaignSpec, out_dir: str) -> str | None:
+    """The segment's own copy of the pinned held-out answers, beside its run: the trainer and every bring-back
+    read it there, so a campaign folder that changes while the segment runs (a working tree synced afresh)
+    cannot take it away."""
+    return os.path.join(out_dir, os.path.basename(spec.heldout_path)) if spec.heldout_path else None
 
 
 def start_heads(spec: CampaignSpec, state: str | None) -> list[str]:
@@ -238,6 +245,11 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
         raise InputError("cycle.mode is \"continue\": give --resume-from, the checkpoint the last segment brought "
                          "back (or start a new campaign folder)")
     heads = start_heads(spec, state)
+    pinned = pinned_copy(spec, out_dir)
+    pinned_here = pinned is not None and os.path.exists(spec.heldout_path)
+    if pinned_here:
+        os.makedirs(out_dir, exist_ok=True)
+        copy_atomic(spec.heldout_path, pinned)
     planned = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads)]
     given = [*extra, *([f"run.max_steps={max_steps}"] if max_steps else [])]  # the caller's settings win
     cfg = load_config(spec.config, [*planned, *given])
@@ -258,8 +270,8 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
             raise InputError(f"the corpus in {corpus_dir} is unfinished (data.regen_max_minutes): run again to "
                              "resume it")
     corpus = Corpus(corpus_dir)
-    if spec.heldout_path and not os.path.exists(spec.heldout_path):  # the campaign's first pinned corpus
-        write_pinned(spec.heldout_path, corpus, cfg.run.eval_answers_per_kind)
+    if pinned is not None and not pinned_here:  # the campaign's first pinned corpus
+        write_pinned(pinned, corpus, cfg.run.eval_answers_per_kind)
     if finish_within is not None:  # the schedule planned for the training time the corpus left
         minutes = training_minutes(minutes, finish_within, time.perf_counter() - started, records)
         planned = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads)]
@@ -277,19 +289,25 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
             exports = [os.path.join(folder, "export", f"head-{i}") for i in range(len(heads))]
             write_heads(exports)
             record = segment_record(spec, records, cfg, progress, run_dir, corpus, regen_seconds, digests_before,
-                                    resume_from, command, exports)
+                                    resume_from, command, pinned, exports)
             record.update(unfinished=True, held_out_end=None)  # the last evaluation may be from an earlier step
-            copy_records(spec, os.path.join(folder, "records"), record, run_dir, regenerated)
-        replace_folder(bring_back_to, build)
+            copy_records(os.path.join(folder, "records"), records, record, run_dir, regenerated, pinned)
+        try:
+            replace_folder(bring_back_to, build)
+        except OSError as e:  # a safety copy that failed must not end the training it guards
+            print(f"warning: the interim bring-back to {bring_back_to} failed ({e}); training goes on",
+                  file=sys.stderr, flush=True)
 
     summary = train(cfg, target, corpus, mesh=mesh, snapshot_minutes=bring_back_every,
                     on_snapshot=interim_bring_back if bring_back_every else None)
     record = segment_record(spec, records, cfg, summary, run_dir, corpus, regen_seconds, digests_before,
-                            resume_from, command)
+                            resume_from, command, pinned)
     record["segment_seconds"] = round(time.perf_counter() - started, 1)  # the whole segment, export included
+    if pinned is not None and not os.path.exists(spec.heldout_path):
+        copy_atomic(pinned, spec.heldout_path)
     append_record(spec.directory, record, run_dir, regenerated)
     if bring_back_to:
-        bring_back(spec, out_dir, bring_back_to, record["segment"])
+        bring_back(spec, out_dir, bring_back_to, records, record, run_dir, regenerated, pinned)
     return record
 
 
@@ -307,9 +325,10 @@ def steps_on_corpus(directory: str, records: list[dict], fingerprint: str) -> in
 
 
 def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str, corpus, regen_seconds: float,
-                   digests_before: list[str], resume_from: str | None, command: str,
+                   digests_before: list[str], resume_from: str | None, command: str, pinned: str | None,
                    exports: list[str] | None = None) -> dict:
-    """The segment's line in the log; its heads after are those at `exports` (default: run.export_head)."""
+    """The segment's line in the log; it measured on the held-out answers at `pinned` (its copy), its heads
+    after are those at `exports` (default: run.export_head)."""
     from .trainer import corpus_fingerprint
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -335,8 +354,7 @@ def segment_record(spec, records, cfg: TrainConfig, summary: dict, run_dir: str,
                    "resample": corpus.manifest.get("settings", {}).get("resample", 0),
                    "regen_fraction": corpus.manifest.get("settings", {}).get("regen_fraction", 1.0),
                    "fingerprint": corpus_fingerprint(corpus), "start_step": cfg.data.start_step},
-        "heldout": ({"file": spec.heldout_answers, "sha256": file_sha256(spec.heldout_path)}
-                    if spec.heldout_path else None),
+        "heldout": {"file": spec.heldout_answers, "sha256": file_sha256(pinned)} if pinned else None,
         "heads_before": digests_before, "heads_after": heads_digests(exports) if all(exports) else None,
         "held_out_start": held_out(start_row) if start_row else None,
         "held_out_end": held_out(evals[-1]) if evals else None,
@@ -363,9 +381,13 @@ def write_segment_folder(folder: str, record: dict, run_dir: str, corpus_manifes
         copies[CORPUS_MANIFEST] = corpus_manifest
     for name, source in copies.items():
         if os.path.exists(source):
-            shutil.copyfile(source, os.path.join(folder, name + ".tmp"))
-            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+            copy_atomic(source, os.path.join(folder, name))
     write_json_atomic(os.path.join(folder, "segment.json"), record)
+
+
+def copy_atomic(source: str, destination: str) -> None:
+    shutil.copyfile(source, destination + ".tmp")
+    os.replace(destination + ".tmp", destination)
 
 
 def bring_in_checkpoint(source: str, checkpoints: str) -> None:
@@ -384,11 +406,11 @@ def bring_in_checkpoint(source: str, checkpoints: str) -> None:
         shutil.copytree(step_dir, target)
 
 
-def bring_back(spec: CampaignSpec, out_dir: str, destination: str, segment: int) -> None:
+def bring_back(spec: CampaignSpec, out_dir: str, destination: str, earlier: list[dict], record: dict, run_dir: str,
+               corpus_manifest: str | None, pinned: str | None) -> None:
     """What the next segment starts from and what the repository records, copied out of a finished segment's
-    folders: the exported heads (`--state DESTINATION/export`), in continue mode the last checkpoint
-    (`--resume-from DESTINATION/checkpoint`), and `records/`: the campaign's log with this segment's line,
-    its segment-NNN/ folder and the pinned held-out answers, to copy over the campaign folder they came from.
+    run: the exported heads (`--state DESTINATION/export`), in continue mode the last checkpoint
+    (`--resume-from DESTINATION/checkpoint`), and `records/` (copy_records) to copy over the campaign folder.
     It replaces what `destination` held (an unfinished segment's bring-back) whole."""
     check_bring_back_folder(destination)
 
@@ -399,23 +421,20 @@ def bring_back(spec: CampaignSpec, out_dir: str, destination: str, segment: int)
             if step is None:
                 raise InputError(f"no checkpoint in {out_dir}/campaign/checkpoints to bring back")
             shutil.copytree(step, os.path.join(folder, "checkpoint", os.path.basename(step)))
-        records = os.path.join(folder, "records")
-        source = segment_folder(spec.directory, segment)
-        shutil.copytree(source, os.path.join(records, os.path.basename(source)))
-        for path in (os.path.join(spec.directory, LOG_FILE), spec.heldout_path):
-            if path and os.path.exists(path):
-                shutil.copyfile(path, os.path.join(records, os.path.basename(path)))
+        copy_records(os.path.join(folder, "records"), earlier, record, run_dir, corpus_manifest, pinned)
     replace_folder(destination, build)
 
 
-def copy_records(spec: CampaignSpec, records: str, record: dict, run_dir: str, corpus_manifest: str | None) -> None:
-    """An unfinished segment's `records/`: the campaign's log with its line added, its segment-NNN/ folder as
-    it stands, the pinned held-out answers."""
+def copy_records(records: str, earlier: list[dict], record: dict, run_dir: str, corpus_manifest: str | None,
+                 pinned: str | None) -> None:
+    """A segment's `records/`, made from its run alone (never re-read from the campaign folder, which may have
+    changed meanwhile): the log of the `earlier` segments with its line added, its segment-NNN/ folder, the
+    pinned held-out answers it measured on."""
     write_segment_folder(segment_folder(records, record["segment"]), record, run_dir, corpus_manifest)
     with open(os.path.join(records, LOG_FILE), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in [*read_records(spec.directory), record])
-    if spec.heldout_path and os.path.exists(spec.heldout_path):
-        shutil.copyfile(spec.heldout_path, os.path.join(records, os.path.basename(spec.heldout_path)))
+        f.writelines(json.dumps(r) + "\n" for r in [*earlier, record])
+    if pinned is not None:
+        shutil.copyfile(pinned, os.path.join(records, os.path.basename(pinned)))
 
 
 BRING_BACK_ENTRIES = {"export", "checkpoint", "records"}
