@@ -7,7 +7,10 @@ import gc
 import os
 
 # Eight fake CPU devices for the sharding tests; set before jax starts. Unsharded code uses device 0.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM's optimisation level 0: the tests' programs are many and small, and compiling them is much of the
+# suite's time (docs/tests.md). Results differ from the default build's in rounding alone, as on another
+# CPU; every comparison a test makes is between programs built alike, or to a tolerance.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 # Each test worker takes its share of the cores for torch (the transformers comparisons): its OpenMP
 # threads spin while they wait, so a thread a core in every worker oversubscribes them (docs/tests.md).
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # in a worker (the main process would pass its value on)
