@@ -74,5 +74,10 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
         raise
 
 
+def copy_atomic(source: str, destination: str) -> None:
+    with open(source, "rb") as f:
+        write_bytes_atomic(destination, f.read())
+
+
 def write_json_atomic(path: str, payload: Any) -> None:
     write_bytes_atomic(path, (json.dumps(payload, indent=2) + "\n").encode("utf-8"))

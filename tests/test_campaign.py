@@ -235,14 +235,14 @@ def test_a_segment_brings_back_what_it_pinned_when_the_campaign_folder_changes_u
     spec = write_campaign(tmp_path / "campaign", tiny_target, start_head, cycle, 'heldout_answers = "heldout.npz"')
     first = on_machine(spec, tmp_path, 1, corpus, minutes=1, max_steps=2)
     pinned = (tmp_path / "campaign" / "heldout.npz").read_bytes()
-    train, synced = trainer.train, []
+    real_train, synced = trainer.train, []
 
     def train_in_a_synced_tree(*args, **kwargs):  # all but campaign.toml gone as training starts
         for path in sorted((tmp_path / "campaign").iterdir()):
             if path.name != "campaign.toml":
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
                 synced.append(path.name)
-        return train(*args, **kwargs)
+        return real_train(*args, **kwargs)
 
     replace, replaced = campaign.replace_folder, []
 

@@ -37,7 +37,7 @@ import time
 import tomllib
 
 from jetspec_jax.errors import DamagedFileError, InputError, OneLineErrorParser, run_command
-from jetspec_jax.provenance import file_sha256, git_head, write_json_atomic
+from jetspec_jax.provenance import copy_atomic, file_sha256, git_head, write_json_atomic
 
 from .config import REPO_ROOT, TrainConfig, load_config
 
@@ -248,7 +248,6 @@ def run_segment(spec: CampaignSpec, *, minutes: float, out_dir: str, state: str 
     pinned = pinned_copy(spec, out_dir)
     pinned_here = pinned is not None and os.path.exists(spec.heldout_path)
     if pinned_here:
-        os.makedirs(out_dir, exist_ok=True)
         copy_atomic(spec.heldout_path, pinned)
     planned = [*spec.overrides, *segment_overrides(spec, records, minutes, out_dir, heads)]
     given = [*extra, *([f"run.max_steps={max_steps}"] if max_steps else [])]  # the caller's settings win
@@ -383,11 +382,6 @@ def write_segment_folder(folder: str, record: dict, run_dir: str, corpus_manifes
         if os.path.exists(source):
             copy_atomic(source, os.path.join(folder, name))
     write_json_atomic(os.path.join(folder, "segment.json"), record)
-
-
-def copy_atomic(source: str, destination: str) -> None:
-    shutil.copyfile(source, destination + ".tmp")
-    os.replace(destination + ".tmp", destination)
 
 
 def bring_in_checkpoint(source: str, checkpoints: str) -> None:
